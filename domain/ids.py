@@ -1,0 +1,23 @@
+"""Deterministic aggregate ids: ``uuid5`` of a namespace and the domain's string id.
+
+``repository.get`` can then find a runner, its lease or a sandbox by the string id
+that callers use, and two replicas creating the same id collide on the same stream.
+"""
+
+from __future__ import annotations
+
+from uuid import UUID, uuid5
+
+NAMESPACE = UUID("3f4c1f0e-5b8e-4f7a-9d57-2f1a6c0b9e11")
+
+
+def runner_uuid(runner_id: str) -> UUID:
+    return uuid5(NAMESPACE, f"runner:{runner_id}")
+
+
+def lease_uuid(runner_id: str) -> UUID:
+    return uuid5(NAMESPACE, f"runner-lease:{runner_id}")
+
+
+def sandbox_uuid(sandbox_id: str) -> UUID:
+    return uuid5(NAMESPACE, f"sandbox:{sandbox_id}")

@@ -1,0 +1,382 @@
+"""The Sandbox aggregate: durable intent, its home runner and fenced assignments.
+
+One assignment per generation (invariant 3), fenced only on the home runner and only
+when the runner is compatible by the evidence recorded with the decision (4); a
+fencing token never repeats for one sandbox (3); capacity is released once, with
+proof (6). Every runner-facing command checks generation and fencing token first and
+raises :class:`StaleFenceError` before changing anything.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from eventsourcing.domain import Aggregate
+
+from domain.assignment import (
+    CAN_FAIL,
+    STATE_ASSIGNED,
+    STATE_FAILED,
+    STATE_RELEASED,
+    STATE_RUNNING,
+    TRANSIENT_FAILURES,
+    new_assignment_record,
+    require_failure_class,
+)
+from domain.errors import (
+    AlreadyExistsError,
+    AssignmentNotFoundError,
+    HomeRunnerUnavailableError,
+    InvalidRequestError,
+    InvalidTransitionError,
+    ProfileRevisionMismatchError,
+    ReleaseProofError,
+    StaleFenceError,
+)
+from domain.ids import sandbox_uuid
+from domain.placement import decide, select_home_runner, select_runner
+from domain.values import Requirements, RunnerSnapshot, ScheduleRequest
+
+
+def decision_record(
+    now: datetime, heartbeat_timeout: timedelta, evaluations: Sequence[Any], chosen: str
+) -> dict[str, Any]:
+    return {
+        "decided_at": now,
+        "heartbeat_timeout_seconds": heartbeat_timeout.total_seconds(),
+        "chosen_runner_id": chosen,
+        "candidates": [evaluation.to_record() for evaluation in evaluations],
+    }
+
+
+class Sandbox(Aggregate):
+    """A sandbox's pinned profile revision, home runner and assignments by generation."""
+
+    class Created(Aggregate.Created):
+        sandbox_id: str
+        workspace_id: str
+        profile_revision_id: str
+        requirements: dict[str, Any]
+        home_runner_id: str
+        home_decision: dict[str, Any]
+
+    def __init__(
+        self,
+        sandbox_id: str,
+        workspace_id: str,
+        profile_revision_id: str,
+        requirements: dict[str, Any],
+        home_runner_id: str,
+    ) -> None:
+        self.sandbox_id = sandbox_id
+        self.workspace_id = workspace_id
+        self.profile_revision_id = profile_revision_id
+        self.requirements = requirements
+        self.home_runner_id = home_runner_id
+        self.generation = 1
+        self.assignments: dict[str, dict[str, Any]] = {}
+        self.fencing_tokens: list[str] = []
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        sandbox_id: str,
+        workspace_id: str,
+        profile_revision_id: str,
+        requirements: Requirements,
+        runners: Sequence[RunnerSnapshot],
+        now: datetime,
+        heartbeat_timeout: timedelta,
+    ) -> Sandbox:
+        """Choose the home runner with ``select_runner`` and record why."""
+        decision = decide(requirements, runners, now, heartbeat_timeout)
+        if decision.chosen is None:
+            select_runner(requirements, runners, now, heartbeat_timeout)  # raises the typed error
+        assert decision.chosen is not None
+        return cls._create(
+            cls.Created,
+            id=sandbox_uuid(sandbox_id),
+            timestamp=now,
+            sandbox_id=sandbox_id,
+            workspace_id=workspace_id,
+            profile_revision_id=profile_revision_id,
+            requirements=requirements.to_record(),
+            home_runner_id=decision.chosen.id,
+            home_decision=decision_record(
+                now, heartbeat_timeout, decision.evaluations, decision.chosen.id
+            ),
+        )
+
+    # -- events ---------------------------------------------------------------
+
+    class AssignmentFenced(Aggregate.Event):
+        assignment: dict[str, Any]
+        placement: dict[str, Any]
+
+        def apply(self, sandbox: Sandbox) -> None:
+            record = dict(self.assignment)
+            sandbox.assignments[str(record["generation"])] = record
+            sandbox.fencing_tokens.append(record["fencing_token"])
+
+    class AssignmentRunning(Aggregate.Event):
+        generation: int
+
+        def apply(self, sandbox: Sandbox) -> None:
+            sandbox._touch(self.generation, self.timestamp, state=STATE_RUNNING)
+
+    class AssignmentReleased(Aggregate.Event):
+        generation: int
+        release_proof: dict[str, str]
+
+        def apply(self, sandbox: Sandbox) -> None:
+            sandbox._touch(
+                self.generation,
+                self.timestamp,
+                state=STATE_RELEASED,
+                release_proof=dict(self.release_proof),
+            )
+
+    class AssignmentFailed(Aggregate.Event):
+        generation: int
+        failure_class: str
+        retry_count: int
+        state: str
+
+        def apply(self, sandbox: Sandbox) -> None:
+            sandbox._touch(
+                self.generation,
+                self.timestamp,
+                state=self.state,
+                failure_class=self.failure_class,
+                retry_count=self.retry_count,
+            )
+
+    class ReconcileClaimed(Aggregate.Event):
+        generation: int
+        owner: str
+        until: datetime
+
+        def apply(self, sandbox: Sandbox) -> None:
+            sandbox._touch(
+                self.generation,
+                self.timestamp,
+                reconcile_owner=self.owner,
+                reconcile_claim_expires_at=self.until,
+            )
+
+    class ReconcileClaimReleased(Aggregate.Event):
+        generation: int
+        owner: str
+
+        def apply(self, sandbox: Sandbox) -> None:
+            sandbox._touch(
+                self.generation,
+                self.timestamp,
+                reconcile_owner="",
+                reconcile_claim_expires_at=None,
+            )
+
+    class GenerationAdvanced(Aggregate.Event):
+        generation: int
+
+        def apply(self, sandbox: Sandbox) -> None:
+            sandbox.generation = self.generation
+
+    def _touch(self, generation: int, at: datetime, **changes: Any) -> None:
+        record = self.assignments[str(generation)]
+        record.update(changes)
+        record["revision"] += 1
+        record["updated_at"] = at
+
+    # -- queries --------------------------------------------------------------
+
+    def assignment(self, generation: int | None = None) -> dict[str, Any] | None:
+        return self.assignments.get(str(self.generation if generation is None else generation))
+
+    def pinned_requirements(self) -> Requirements:
+        return Requirements.from_record(self.requirements)
+
+    # -- commands -------------------------------------------------------------
+
+    def check_pinned(self, request: ScheduleRequest) -> None:
+        """SPEC section 6 step 2: same workspace, same immutable ProfileRevision."""
+        if request.workspace_id != self.workspace_id:
+            raise ProfileRevisionMismatchError(
+                f"sandbox {self.sandbox_id!r} belongs to workspace {self.workspace_id!r}, "
+                f"not {request.workspace_id!r}"
+            )
+        if request.profile_revision_id != self.profile_revision_id:
+            raise ProfileRevisionMismatchError(
+                f"sandbox {self.sandbox_id!r} pins {self.profile_revision_id!r}, "
+                f"not {request.profile_revision_id!r}"
+            )
+        if request.requirements.to_record() != self.requirements:
+            raise ProfileRevisionMismatchError(
+                f"requirements differ from those pinned by {self.profile_revision_id!r}"
+            )
+        if not self.home_runner_id:
+            raise HomeRunnerUnavailableError((), "sandbox has no home runner")
+
+    def fence(
+        self,
+        request: ScheduleRequest,
+        runner: RunnerSnapshot,
+        *,
+        runner_version: int,
+        lease_version: int,
+        attempt: int,
+    ) -> dict[str, Any]:
+        """Fence this generation's assignment on the home runner, or refuse."""
+        self.check_pinned(request)
+        if self.assignment() is not None:
+            raise AlreadyExistsError(
+                f"sandbox {self.sandbox_id!r} generation {self.generation} is already assigned"
+            )
+        token = request.fencing_token.hex()
+        if token in self.fencing_tokens:
+            raise InvalidRequestError(
+                "fencing_token", "must differ from every earlier token of this sandbox"
+            )
+        assert request.now is not None
+        requirements = self.pinned_requirements()
+        select_home_runner(
+            self.home_runner_id, requirements, [runner], request.now, request.heartbeat_timeout
+        )
+        record = new_assignment_record(request, runner, self.generation, request.now)
+        placement = decision_record(
+            request.now, request.heartbeat_timeout, [], runner.id
+        )
+        placement["candidates"] = [{"runner_id": runner.id, "failures": []}]
+        placement.update(
+            home_runner_id=self.home_runner_id,
+            runner=runner.to_record(),
+            runner_version=runner_version,
+            lease_version=lease_version,
+            requested=requirements.capacity.as_dict(),
+            attempt=attempt,
+        )
+        self.trigger_event(
+            self.AssignmentFenced, timestamp=request.now, assignment=record, placement=placement
+        )
+        return record
+
+    def _current(self, generation: int) -> dict[str, Any]:
+        if generation != self.generation:
+            raise StaleFenceError(
+                f"sandbox {self.sandbox_id!r} generation {generation} is not the current "
+                f"generation {self.generation}"
+            )
+        record = self.assignment(generation)
+        if record is None:
+            raise AssignmentNotFoundError(
+                f"{self.sandbox_id}#{generation}", "this generation has not been scheduled"
+            )
+        return record
+
+    def _fenced(self, generation: int, fencing_token: bytes) -> dict[str, Any]:
+        record = self._current(generation)
+        if not hmac.compare_digest(record["fencing_token"], fencing_token.hex()):
+            raise StaleFenceError(
+                f"sandbox {self.sandbox_id!r} generation {generation}: fencing token "
+                "does not match"
+            )
+        return record
+
+    def mark_running(self, generation: int, fencing_token: bytes, at: datetime) -> bool:
+        record = self._fenced(generation, fencing_token)
+        if record["state"] == STATE_RUNNING:
+            return False
+        if record["state"] != STATE_ASSIGNED:
+            raise InvalidTransitionError(
+                f"assignment {record['id']!r} is {record['state']}, not {STATE_ASSIGNED}"
+            )
+        self.trigger_event(self.AssignmentRunning, timestamp=at, generation=generation)
+        return True
+
+    def release(
+        self,
+        generation: int,
+        fencing_token: bytes,
+        release_proof: Mapping[str, str],
+        at: datetime,
+    ) -> dict[str, Any] | None:
+        """Record the release; the record to free on the runner, or None for a repeat."""
+        record = self._fenced(generation, fencing_token)
+        if not release_proof:
+            raise InvalidRequestError("release_proof", "must not be empty")
+        if record["state"] == STATE_RELEASED:
+            if record["release_proof"] == dict(release_proof):
+                return None
+            raise ReleaseProofError(
+                f"assignment {record['id']!r} was already released with another proof"
+            )
+        self.trigger_event(
+            self.AssignmentReleased,
+            timestamp=at,
+            generation=generation,
+            release_proof=dict(release_proof),
+        )
+        return record
+
+    def fail(
+        self, generation: int, fencing_token: bytes, failure_class: str, at: datetime
+    ) -> dict[str, Any]:
+        """Count a failure: transient ones retry within retry_limit, others are terminal."""
+        record = self._fenced(generation, fencing_token)
+        require_failure_class(failure_class)
+        if record["state"] not in CAN_FAIL:
+            raise InvalidTransitionError(
+                f"assignment {record['id']!r} is {record['state']} and cannot fail"
+            )
+        retry = failure_class in TRANSIENT_FAILURES and record["retry_count"] < record["retry_limit"]
+        self.trigger_event(
+            self.AssignmentFailed,
+            timestamp=at,
+            generation=generation,
+            failure_class=failure_class,
+            retry_count=record["retry_count"] + 1 if retry else record["retry_count"],
+            state=STATE_ASSIGNED if retry else STATE_FAILED,
+        )
+        return record
+
+    def claim_reconcile(
+        self, generation: int, owner: str, until: datetime, now: datetime
+    ) -> bool:
+        """Claim reconciliation; False if another owner holds an unexpired claim."""
+        record = self._current(generation)
+        holder = record["reconcile_owner"]
+        expires = record["reconcile_claim_expires_at"]
+        if holder and holder != owner and expires is not None and expires > now:
+            return False
+        if holder == owner and expires == until:
+            return True
+        if until <= now:
+            raise InvalidRequestError("until", "must be later than now")
+        self.trigger_event(
+            self.ReconcileClaimed, timestamp=now, generation=generation, owner=owner, until=until
+        )
+        return True
+
+    def release_reconcile_claim(self, generation: int, owner: str, at: datetime) -> bool:
+        record = self._current(generation)
+        if record["reconcile_owner"] != owner:
+            return False
+        self.trigger_event(
+            self.ReconcileClaimReleased, timestamp=at, generation=generation, owner=owner
+        )
+        return True
+
+    def advance_generation(self, generation: int, at: datetime) -> int:
+        """Move to generation + 1; only once this generation's assignment is released."""
+        record = self._current(generation)
+        if record["state"] != STATE_RELEASED:
+            raise InvalidTransitionError(
+                f"assignment {record['id']!r} is {record['state']}; advance the generation "
+                "only after release"
+            )
+        self.trigger_event(self.GenerationAdvanced, timestamp=at, generation=generation + 1)
+        return generation + 1

@@ -1,0 +1,311 @@
+"""Immutable value types of SPEC section 2 (frozen pydantic models).
+
+Construction checks types and ranges and raises :class:`InvalidRequestError` naming
+the field and the rule; a request's cross-field rules (SPEC section 6, step 1) are
+checked by :meth:`ScheduleRequest.ensure_valid`, which ``schedule`` calls.
+
+``to_record`` / ``from_record`` convert to and from the primitive shapes that events
+carry (str, int, list, dict, ISO datetimes), with sets sorted so that equal values
+always give equal records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime, timedelta, timezone
+from typing import Annotated, Any, ClassVar, Self
+
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    StrictBytes,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
+
+from domain.errors import InvalidRequestError
+
+DRAIN_PHASE_ACTIVE = "active"
+DRAIN_PHASE_DRAINING = "draining"
+DRAIN_PHASES = (DRAIN_PHASE_ACTIVE, DRAIN_PHASE_DRAINING)
+
+INT64_MAX = 2**63 - 1
+UINT32_MAX = 2**32 - 1
+MIN_FENCING_TOKEN_BYTES = 32
+
+
+def _to_utc(value: datetime) -> datetime:
+    return value.astimezone(timezone.utc)
+
+
+def _names_from_map(value: object) -> object:
+    """Accept the seed's ``map[string]bool`` shape: keep the names mapped to true."""
+    if isinstance(value, Mapping):
+        return frozenset(name for name, enabled in value.items() if enabled is True)
+    return value
+
+
+UTCDatetime = Annotated[AwareDatetime, AfterValidator(_to_utc)]
+Count = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
+ProtocolGeneration = Annotated[StrictInt, Field(ge=0, le=UINT32_MAX)]
+NameSet = Annotated[
+    frozenset[StrictStr],
+    BeforeValidator(_names_from_map),
+    PlainSerializer(sorted, when_used="json"),
+]
+
+
+def invalid_request_from(model: str, error: ValidationError) -> InvalidRequestError:
+    """The first pydantic error as an InvalidRequestError naming field and rule."""
+    first = error.errors()[0]
+    field = ".".join(str(part) for part in first["loc"]) or model
+    return InvalidRequestError(field, f"{first['msg']} ({model})", first.get("input"))
+
+
+class Value(BaseModel):
+    """Frozen value type whose validation errors are :class:`InvalidRequestError`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as error:
+            raise invalid_request_from(type(self).__name__, error) from None
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Self:
+        try:
+            return cls.model_validate(record)
+        except ValidationError as error:
+            raise invalid_request_from(cls.__name__, error) from None
+
+    def to_record(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+class Capacity(Value):
+    """Runner compute that may be reserved by assignments."""
+
+    DIMENSIONS: ClassVar[tuple[str, ...]] = (
+        "vcpu_count",
+        "memory_bytes",
+        "disk_bytes",
+        "instances",
+        "operations",
+    )
+
+    vcpu_count: Count = 0
+    memory_bytes: Count = 0
+    disk_bytes: Count = 0
+    instances: Count = 0
+    operations: Count = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "vcpu_count": self.vcpu_count,
+            "memory_bytes": self.memory_bytes,
+            "disk_bytes": self.disk_bytes,
+            "instances": self.instances,
+            "operations": self.operations,
+        }
+
+    @classmethod
+    def of(cls, amounts: Mapping[str, int]) -> Capacity:
+        """Trusted construction from a dimension mapping (no validation)."""
+        return cls.model_construct(**{dim: int(amounts.get(dim, 0)) for dim in cls.DIMENSIONS})
+
+
+class Requirements(Value):
+    """Immutable ProfileRevision placement constraints."""
+
+    pool_name: StrictStr = ""
+    architecture: StrictStr = ""
+    required_capabilities: NameSet = frozenset()
+    capacity: Capacity = Capacity()
+    guest_protocol_generation: ProtocolGeneration = 0
+    preferred_artifact_digests: tuple[StrictStr, ...] = ()
+    egress_context: StrictStr | None = None
+
+
+class MaterializationSnapshot(Value):
+    """One revalidated local backend composition."""
+
+    backend_kind: StrictStr = ""
+    architecture: StrictStr = ""
+    runtime_digest: StrictStr = ""
+    toolchain_digest: StrictStr = ""
+    digest: StrictStr = ""
+
+
+class RunnerSnapshot(Value):
+    """One durable registration and latest heartbeat view."""
+
+    id: StrictStr
+    pool_name: StrictStr = ""
+    backend_kind: StrictStr = ""
+    architecture: StrictStr = ""
+    capabilities: NameSet = frozenset()
+    allocatable: Capacity = Capacity()
+    reserved: Capacity = Capacity()
+    drain_phase: StrictStr = DRAIN_PHASE_ACTIVE
+    last_heartbeat_at: UTCDatetime | None = None
+    artifact_digests: tuple[StrictStr, ...] = ()
+    materializations: tuple[MaterializationSnapshot, ...] = ()
+    supported_egress_contexts: tuple[StrictStr, ...] = ()
+    guest_protocol_minimum: ProtocolGeneration = 0
+    guest_protocol_maximum: ProtocolGeneration = 0
+
+    def free(self) -> Capacity:
+        a, r = self.allocatable, self.reserved
+        return Capacity.model_construct(
+            vcpu_count=a.vcpu_count - r.vcpu_count,
+            memory_bytes=a.memory_bytes - r.memory_bytes,
+            disk_bytes=a.disk_bytes - r.disk_bytes,
+            instances=a.instances - r.instances,
+            operations=a.operations - r.operations,
+        )
+
+
+class DurableAssignment(Value):
+    """Every private runner and backend authority field of one sandbox generation.
+
+    The seed's fields in snake_case, plus ``capacity`` (what the assignment reserved),
+    ``workspace_id``, ``assignment_command_id``, ``assignment_command`` and
+    ``start_mutation_id`` (the request identity it was fenced with).
+    """
+
+    id: StrictStr
+    sandbox_id: StrictStr
+    instance_id: StrictStr = ""
+    runner_id: StrictStr = ""
+    profile_revision_id: StrictStr = ""
+    backend_kind: StrictStr = ""
+    backend_reference: StrictStr = ""
+    generation: Count = 0
+    fencing_token: StrictBytes = b""
+    state: StrictStr = ""
+    capability_snapshot: dict[StrictStr, StrictStr] = Field(default_factory=dict)
+    resolved_artifacts: dict[StrictStr, StrictStr] = Field(default_factory=dict)
+    release_proof: dict[StrictStr, StrictStr] = Field(default_factory=dict)
+    failure_class: StrictStr = ""
+    retry_count: Count = 0
+    retry_limit: Count = 0
+    operation_deadline: UTCDatetime | None = None
+    claim_expires_at: UTCDatetime | None = None
+    reconcile_owner: StrictStr = ""
+    reconcile_claim_expires_at: UTCDatetime | None = None
+    next_reconcile_at: UTCDatetime | None = None
+    revision: Count = 0
+    created_at: UTCDatetime | None = None
+    updated_at: UTCDatetime | None = None
+    egress_context: StrictStr | None = None
+    capacity: Capacity = Capacity()
+    workspace_id: StrictStr = ""
+    assignment_command_id: StrictStr = ""
+    assignment_command: dict[StrictStr, StrictStr] | None = None
+    start_mutation_id: StrictStr = ""
+
+
+class ScheduleRequest(Value):
+    """Explicit immutable assignment authority and retry bounds.
+
+    Fields default to the seed's Go zero values so that a partial request can be
+    built; :meth:`ensure_valid` (called by ``schedule``) refuses what is missing.
+    """
+
+    assignment_id: StrictStr = ""
+    assignment_command_id: StrictStr = ""
+    instance_id: StrictStr = ""
+    sandbox_id: StrictStr = ""
+    workspace_id: StrictStr = ""
+    start_mutation_id: StrictStr = ""
+    profile_revision_id: StrictStr = ""
+    requirements: Requirements = Requirements()
+    assignment_command: dict[StrictStr, StrictStr] | None = None
+    fencing_token: StrictBytes = b""
+    resolved_artifacts: dict[StrictStr, StrictStr] = Field(default_factory=dict)
+    claim_expires_at: UTCDatetime | None = None
+    operation_deadline: UTCDatetime | None = None
+    retry_limit: Annotated[StrictInt, Field(le=INT64_MAX)] = 0
+    serialization_retry_limit: Annotated[StrictInt, Field(le=INT64_MAX)] = 0
+    heartbeat_timeout: timedelta = timedelta(0)
+    now: UTCDatetime | None = None
+    effect_started_at: UTCDatetime | None = None
+    plan_ready_at: UTCDatetime | None = None
+
+    IDENTITY_FIELDS: ClassVar[tuple[str, ...]] = (
+        "assignment_id",
+        "assignment_command_id",
+        "instance_id",
+        "sandbox_id",
+        "workspace_id",
+        "start_mutation_id",
+        "profile_revision_id",
+    )
+
+    def ensure_valid(self) -> None:
+        """SPEC section 6 step 1: raise InvalidRequestError naming the first bad field."""
+        for name in self.IDENTITY_FIELDS:
+            if not getattr(self, name):
+                raise InvalidRequestError(name, "must not be empty")
+        requirements = self.requirements
+        if not requirements.pool_name:
+            raise InvalidRequestError("requirements.pool_name", "must not be empty")
+        if not requirements.architecture:
+            raise InvalidRequestError("requirements.architecture", "must not be empty")
+        if requirements.guest_protocol_generation < 1:
+            raise InvalidRequestError("requirements.guest_protocol_generation", "must be at least 1")
+        if len(self.fencing_token) < MIN_FENCING_TOKEN_BYTES:
+            raise InvalidRequestError(
+                "fencing_token", f"must be at least {MIN_FENCING_TOKEN_BYTES} bytes"
+            )
+        for name in ("claim_expires_at", "operation_deadline", "now", "effect_started_at", "plan_ready_at"):
+            require_aware(name, getattr(self, name))
+        if self.heartbeat_timeout <= timedelta(0):
+            raise InvalidRequestError("heartbeat_timeout", "must be greater than zero")
+        if self.retry_limit < 0:
+            raise InvalidRequestError("retry_limit", "must not be negative")
+        if self.serialization_retry_limit < 0:
+            raise InvalidRequestError("serialization_retry_limit", "must not be negative")
+        assert self.now and self.effect_started_at and self.plan_ready_at
+        if self.effect_started_at < self.now:
+            raise InvalidRequestError("effect_started_at", "must not be before now")
+        if self.plan_ready_at < self.effect_started_at:
+            raise InvalidRequestError("plan_ready_at", "must not be before effect_started_at")
+
+
+def require_aware(field: str, value: object) -> datetime:
+    """Refuse an unset, non-datetime or naive time, naming the field."""
+    if value is None:
+        raise InvalidRequestError(field, "must be set")
+    if not isinstance(value, datetime):
+        raise InvalidRequestError(field, "must be a datetime", value)
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise InvalidRequestError(field, "must be timezone-aware (UTC)", value)
+    return value.astimezone(timezone.utc)
+
+
+def require_text(field: str, value: object) -> str:
+    """Refuse a non-string or empty identifier, naming the field."""
+    if not isinstance(value, str):
+        raise InvalidRequestError(field, "must be a string", value)
+    if not value:
+        raise InvalidRequestError(field, "must not be empty")
+    return value
+
+
+def require_string_map(field: str, value: object, *, non_empty: bool = False) -> dict[str, str]:
+    if not isinstance(value, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise InvalidRequestError(field, "must be a mapping of str to str", value)
+    if non_empty and not value:
+        raise InvalidRequestError(field, "must not be empty")
+    return dict(value)

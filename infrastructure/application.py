@@ -1,0 +1,576 @@
+"""The scheduler's application service (SPEC section 5) on eventsourcing.
+
+Commands validate their input (InvalidRequestError naming the field, nothing
+written), load aggregates, let the aggregates decide, and save every changed
+aggregate in one atomic save. A lost optimistic-concurrency race
+(``eventsourcing.persistence.IntegrityError``) is retried from the start after a
+full-jitter backoff; past the retry limit it becomes SerializationContentionError.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any, ClassVar, TypeVar
+from uuid import UUID
+
+from eventsourcing.application import AggregateNotFoundError, Application
+from eventsourcing.persistence import IntegrityError
+from eventsourcing.utils import EnvType
+
+from domain.assignment import to_durable_assignment
+from domain.errors import (
+    AlreadyExistsError,
+    HomeRunnerUnavailableError,
+    InvalidRequestError,
+    ProfileRevisionMismatchError,
+    RunnerNotFoundError,
+    SandboxNotFoundError,
+    SerializationContentionError,
+)
+from domain.ids import lease_uuid, runner_uuid, sandbox_uuid
+from domain.lease import RunnerLease
+from domain.runner import Runner
+from domain.sandbox import Sandbox
+from domain.values import (
+    Capacity,
+    DurableAssignment,
+    MaterializationSnapshot,
+    Requirements,
+    RunnerSnapshot,
+    ScheduleRequest,
+    require_aware,
+    require_string_map,
+    require_text,
+)
+from infrastructure.settings import DATABASE_URL, LEASE_RENEWAL_SECONDS, settings_from_url
+from projections.runner_index import RunnerIndex
+
+T = TypeVar("T")
+A = TypeVar("A")
+
+BACKOFF_BASE_SECONDS = 0.002
+BACKOFF_CAP_SECONDS = 0.250
+COMMAND_RETRY_LIMIT = 32  # conflicts tolerated by commands other than schedule
+DEFAULT_LEASE_RENEWAL = timedelta(seconds=10)
+
+
+def system_now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def backoff_ceiling(retry: int) -> float:
+    """Upper bound of the full-jitter draw before retry number ``retry`` (0-based)."""
+    return min(BACKOFF_BASE_SECONDS * 2**retry, BACKOFF_CAP_SECONDS)
+
+
+@dataclass
+class SchedulerMetrics:
+    """Counters of one application instance (thread-safe)."""
+
+    placements: int = 0
+    replays: int = 0
+    contention_retries: int = 0
+    contention_errors: int = 0
+    heartbeats: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + amount)
+
+    def heartbeat(self, outcome: str) -> None:
+        with self._lock:
+            self.heartbeats[outcome] = self.heartbeats.get(outcome, 0) + 1
+
+
+class SchedulerApplication(Application[UUID]):
+    """Event-sourced scheduler: runners, sandboxes and fenced assignments."""
+
+    snapshotting_intervals: ClassVar[dict[type[Any], int]] = {Runner: 50, Sandbox: 50}
+    env: ClassVar[dict[str, str]] = {"AGGREGATE_CACHE_MAXSIZE": "10000"}
+
+    def __init__(
+        self,
+        env: EnvType | None = None,
+        now: Callable[[], datetime] | None = None,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._now = now or system_now
+        self._sleep = sleep
+        self._rng = rng or random.Random()
+        self._rng_lock = threading.Lock()
+        super().__init__(env)
+        seconds = self.env.get(LEASE_RENEWAL_SECONDS)
+        self.lease_renewal_interval = (
+            timedelta(seconds=float(seconds)) if seconds else DEFAULT_LEASE_RENEWAL
+        )
+        self.metrics = SchedulerMetrics()
+        self.runner_index = RunnerIndex(self.recorder, self.mapper)
+
+    def construct_env(self, name: str, env: EnvType | None = None) -> Any:
+        environment = super().construct_env(name, env)
+        url = environment.get(DATABASE_URL)
+        if url:
+            environment.update(settings_from_url(url))
+        return environment
+
+    # -- helpers --------------------------------------------------------------
+
+    def now(self) -> datetime:
+        return require_aware("now", self._now())
+
+    def backoff(self, retry: int) -> None:
+        """Full jitter: sleep a uniform draw in [0, min(2 ms * 2^retry, 250 ms)]."""
+        with self._rng_lock:
+            delay = self._rng.uniform(0.0, backoff_ceiling(retry))
+        self._sleep(delay)
+
+    def _retrying(self, operation: Callable[[int], T], *, retries: int, subject: str) -> T:
+        """Run ``operation(attempt)``; on a lost race back off and run it again."""
+        for attempt in range(retries + 1):
+            try:
+                return operation(attempt)
+            except IntegrityError:
+                if attempt == retries:
+                    break
+                self.metrics.add("contention_retries")
+                self.backoff(attempt)
+        self.metrics.add("contention_errors")
+        raise SerializationContentionError(retries + 1, subject)
+
+    def _load(self, aggregate_id: UUID, kind: type[A]) -> A | None:
+        try:
+            aggregate = self.repository.get(aggregate_id)
+        except AggregateNotFoundError:
+            return None
+        assert isinstance(aggregate, kind)
+        return aggregate
+
+    def _runner(self, runner_id: str) -> Runner:
+        runner = self._load(runner_uuid(runner_id), Runner)
+        if runner is None:
+            raise RunnerNotFoundError(runner_id)
+        if runner.deregistered:
+            raise RunnerNotFoundError(runner_id, "deregistered")
+        return runner
+
+    def _lease(self, runner_id: str) -> RunnerLease:
+        lease = self._load(lease_uuid(runner_id), RunnerLease)
+        if lease is None:
+            raise RunnerNotFoundError(runner_id)
+        return lease
+
+    def _sandbox(self, sandbox_id: str) -> Sandbox:
+        sandbox = self._load(sandbox_uuid(sandbox_id), Sandbox)
+        if sandbox is None:
+            raise SandboxNotFoundError(sandbox_id)
+        return sandbox
+
+    def _update_runner(self, runner_id: str, change: Callable[[Runner, datetime], Any]) -> None:
+        def attempt(_: int) -> None:
+            runner = self._runner(runner_id)
+            change(runner, self.now())
+            if runner.pending_events:
+                self.save(runner)
+
+        self._retrying(attempt, retries=COMMAND_RETRY_LIMIT, subject=f"runner {runner_id!r}")
+
+    def _update_sandbox(self, sandbox_id: str, change: Callable[[Sandbox, datetime], T]) -> T:
+        def attempt(_: int) -> T:
+            sandbox = self._sandbox(sandbox_id)
+            result = change(sandbox, self.now())
+            if sandbox.pending_events:
+                self.save(sandbox)
+            return result
+
+        return self._retrying(attempt, retries=COMMAND_RETRY_LIMIT, subject=f"sandbox {sandbox_id!r}")
+
+    # -- runner side ----------------------------------------------------------
+
+    def register_runner(
+        self,
+        *,
+        runner_id: str,
+        pool_name: str,
+        backend_kind: str,
+        architecture: str,
+        capabilities: Iterable[str] | Mapping[str, bool],
+        allocatable: Capacity | Mapping[str, int],
+        guest_protocol_minimum: int,
+        guest_protocol_maximum: int,
+        supported_egress_contexts: Iterable[str] = (),
+    ) -> None:
+        """Register a runner host. Refuses an id that is already registered."""
+        require_text("runner_id", runner_id)
+        require_text("pool_name", pool_name)
+        require_text("architecture", architecture)
+        checked = RunnerSnapshot(
+            id=runner_id,
+            pool_name=pool_name,
+            backend_kind=backend_kind,
+            architecture=architecture,
+            capabilities=_as_collection("capabilities", capabilities),
+            allocatable=allocatable,
+            guest_protocol_minimum=guest_protocol_minimum,
+            guest_protocol_maximum=guest_protocol_maximum,
+            supported_egress_contexts=_as_collection(
+                "supported_egress_contexts", supported_egress_contexts
+            ),
+        )
+        at = self.now()
+        runner = Runner.register(
+            runner_id=runner_id,
+            pool_name=pool_name,
+            backend_kind=checked.backend_kind,
+            architecture=architecture,
+            capabilities=checked.capabilities,
+            allocatable=checked.allocatable,
+            guest_protocol_minimum=checked.guest_protocol_minimum,
+            guest_protocol_maximum=checked.guest_protocol_maximum,
+            supported_egress_contexts=checked.supported_egress_contexts,
+            at=at,
+        )
+        try:
+            self.save(runner, RunnerLease.open(runner_id, at))
+        except IntegrityError:
+            raise AlreadyExistsError(f"runner {runner_id!r} is already registered") from None
+
+    def record_heartbeat(
+        self,
+        *,
+        runner_id: str,
+        at: datetime,
+        artifact_digests: Sequence[str] = (),
+        materializations: Sequence[MaterializationSnapshot | Mapping[str, str]] = (),
+    ) -> str:
+        """Record liveness and evidence; returns what happened (see domain.lease).
+
+        Evidence changes are always recorded; a plain renewal is recorded at most
+        once per lease renewal interval; a heartbeat older than the last recorded
+        one changes nothing. Heartbeats write only the runner's lease stream.
+        """
+        require_text("runner_id", runner_id)
+        at = require_aware("at", at)
+        checked = RunnerSnapshot(
+            id=runner_id,
+            artifact_digests=_as_collection("artifact_digests", artifact_digests),
+            materializations=_as_collection("materializations", materializations),
+        )
+        self._runner(runner_id)
+
+        def attempt(_: int) -> str:
+            lease = self._lease(runner_id)
+            outcome = lease.observe(
+                at=at,
+                artifact_digests=checked.artifact_digests,
+                materializations=checked.materializations,
+                renewal_interval=self.lease_renewal_interval,
+                recorded_at=self.now(),
+            )
+            if lease.pending_events:
+                self.save(lease)
+            return outcome
+
+        outcome = self._retrying(
+            attempt, retries=COMMAND_RETRY_LIMIT, subject=f"lease of runner {runner_id!r}"
+        )
+        self.metrics.heartbeat(outcome)
+        return outcome
+
+    def start_drain(self, runner_id: str) -> None:
+        require_text("runner_id", runner_id)
+        self._update_runner(runner_id, lambda runner, at: runner.start_drain(at))
+
+    def cancel_drain(self, runner_id: str) -> None:
+        require_text("runner_id", runner_id)
+        self._update_runner(runner_id, lambda runner, at: runner.cancel_drain(at))
+
+    def change_allocatable(self, runner_id: str, allocatable: Capacity | Mapping[str, int]) -> None:
+        """Change what the runner offers; refused below what is reserved."""
+        require_text("runner_id", runner_id)
+        wanted = _as_capacity("allocatable", allocatable)
+        self._update_runner(runner_id, lambda runner, at: runner.change_allocatable(wanted, at))
+
+    def deregister_runner(self, runner_id: str) -> None:
+        """Remove a runner; refused while anything is reserved on it."""
+        require_text("runner_id", runner_id)
+        self._update_runner(runner_id, lambda runner, at: runner.deregister(at))
+
+    # -- sandbox side ---------------------------------------------------------
+
+    def create_sandbox(
+        self,
+        *,
+        sandbox_id: str,
+        workspace_id: str,
+        profile_revision_id: str,
+        requirements: Requirements | Mapping[str, Any],
+        heartbeat_timeout: timedelta,
+    ) -> str:
+        """Choose and record the sandbox's home runner; returns its id.
+
+        Repeating the call with the same arguments returns the recorded home runner.
+        """
+        require_text("sandbox_id", sandbox_id)
+        require_text("workspace_id", workspace_id)
+        require_text("profile_revision_id", profile_revision_id)
+        wanted = _as_requirements(requirements)
+        _require_timeout(heartbeat_timeout)
+
+        existing = self._load(sandbox_uuid(sandbox_id), Sandbox)
+        if existing is None:
+            now = self.now()
+            sandbox = Sandbox.create(
+                sandbox_id=sandbox_id,
+                workspace_id=workspace_id,
+                profile_revision_id=profile_revision_id,
+                requirements=wanted,
+                runners=self.runner_snapshots(wanted.pool_name),
+                now=now,
+                heartbeat_timeout=heartbeat_timeout,
+            )
+            try:
+                self.save(sandbox)
+                return sandbox.home_runner_id
+            except IntegrityError:
+                existing = self._load(sandbox_uuid(sandbox_id), Sandbox)
+                assert existing is not None
+        if (
+            existing.workspace_id != workspace_id
+            or existing.profile_revision_id != profile_revision_id
+            or existing.requirements != wanted.to_record()
+        ):
+            raise AlreadyExistsError(
+                f"sandbox {sandbox_id!r} already exists with another workspace or profile revision"
+            )
+        return existing.home_runner_id
+
+    def schedule(self, request: ScheduleRequest) -> tuple[DurableAssignment, bool]:
+        """Serialize one sandbox generation and reserve capacity on its home runner.
+
+        Returns the assignment and whether this call created it (False: replay).
+        """
+        if not isinstance(request, ScheduleRequest):
+            raise InvalidRequestError("request", "must be a ScheduleRequest", request)
+        request.ensure_valid()
+
+        def attempt(number: int) -> tuple[DurableAssignment, bool]:
+            sandbox = self._load(sandbox_uuid(request.sandbox_id), Sandbox)
+            if sandbox is None:
+                raise ProfileRevisionMismatchError(f"sandbox {request.sandbox_id!r} does not exist")
+            sandbox.check_pinned(request)
+            existing = sandbox.assignment()
+            if existing is not None:
+                self.metrics.add("replays")
+                return to_durable_assignment(existing), False
+            home = sandbox.home_runner_id
+            runner = self._load(runner_uuid(home), Runner)
+            if runner is None or runner.deregistered:
+                raise HomeRunnerUnavailableError((), f"home runner {home!r} is not registered")
+            lease = self._lease(home)
+            record = sandbox.fence(
+                request,
+                runner.snapshot(lease),
+                runner_version=runner.version,
+                lease_version=lease.version,
+                attempt=number,
+            )
+            assert request.now is not None
+            runner.reserve(
+                assignment_id=request.assignment_id,
+                sandbox_id=request.sandbox_id,
+                generation=sandbox.generation,
+                capacity=request.requirements.capacity,
+                at=request.now,
+            )
+            self.save(sandbox, runner)
+            self.metrics.add("placements")
+            return to_durable_assignment(record), True
+
+        return self._retrying(
+            attempt,
+            retries=request.serialization_retry_limit,
+            subject=f"sandbox {request.sandbox_id!r}",
+        )
+
+    def mark_running(self, sandbox_id: str, generation: int, fencing_token: bytes) -> None:
+        _require_fence(sandbox_id, generation, fencing_token)
+        self._update_sandbox(
+            sandbox_id, lambda sandbox, at: sandbox.mark_running(generation, fencing_token, at)
+        )
+
+    def release(
+        self,
+        sandbox_id: str,
+        generation: int,
+        fencing_token: bytes,
+        release_proof: Mapping[str, str],
+    ) -> bool:
+        """Free the assignment's capacity, once; False when it was already released."""
+        _require_fence(sandbox_id, generation, fencing_token)
+        proof = require_string_map("release_proof", release_proof, non_empty=True)
+
+        def attempt(_: int) -> bool:
+            now = self.now()
+            sandbox = self._sandbox(sandbox_id)
+            record = sandbox.release(generation, fencing_token, proof, now)
+            if record is None:
+                return False
+            runner = self._load(runner_uuid(record["runner_id"]), Runner)
+            assert runner is not None
+            runner.release(
+                sandbox_id=sandbox_id, generation=generation, release_proof=proof, at=now
+            )
+            self.save(sandbox, runner)
+            return True
+
+        return self._retrying(attempt, retries=COMMAND_RETRY_LIMIT, subject=f"sandbox {sandbox_id!r}")
+
+    def fail(
+        self, sandbox_id: str, generation: int, fencing_token: bytes, failure_class: str
+    ) -> DurableAssignment:
+        """Count a failure: a transient class retries within retry_limit, else terminal."""
+        _require_fence(sandbox_id, generation, fencing_token)
+        self._update_sandbox(
+            sandbox_id,
+            lambda sandbox, at: sandbox.fail(generation, fencing_token, failure_class, at),
+        )
+        assignment = self.get_assignment(sandbox_id, generation)
+        assert assignment is not None
+        return assignment
+
+    def claim_reconcile(
+        self, sandbox_id: str, generation: int, owner: str, until: datetime
+    ) -> bool:
+        """True only if no other owner holds an unexpired reconcile claim."""
+        _require_generation(sandbox_id, generation)
+        require_text("owner", owner)
+        until = require_aware("until", until)
+        return self._update_sandbox(
+            sandbox_id, lambda sandbox, at: sandbox.claim_reconcile(generation, owner, until, at)
+        )
+
+    def release_reconcile_claim(self, sandbox_id: str, generation: int, owner: str) -> bool:
+        _require_generation(sandbox_id, generation)
+        require_text("owner", owner)
+        return self._update_sandbox(
+            sandbox_id, lambda sandbox, at: sandbox.release_reconcile_claim(generation, owner, at)
+        )
+
+    def advance_generation(self, sandbox_id: str, generation: int) -> int:
+        """Move to generation + 1 (only after release); returns the new generation."""
+        _require_generation(sandbox_id, generation)
+        return self._update_sandbox(
+            sandbox_id, lambda sandbox, at: sandbox.advance_generation(generation, at)
+        )
+
+    # -- queries --------------------------------------------------------------
+
+    def get_assignment(
+        self, sandbox_id: str, generation: int | None = None
+    ) -> DurableAssignment | None:
+        require_text("sandbox_id", sandbox_id)
+        sandbox = self._load(sandbox_uuid(sandbox_id), Sandbox)
+        if sandbox is None:
+            return None
+        record = sandbox.assignment(generation)
+        return None if record is None else to_durable_assignment(record)
+
+    def assignments(self, sandbox_id: str) -> list[DurableAssignment]:
+        """Every generation's assignment of one sandbox, oldest first."""
+        sandbox = self._sandbox(sandbox_id)
+        return [
+            to_durable_assignment(sandbox.assignments[key])
+            for key in sorted(sandbox.assignments, key=int)
+        ]
+
+    def runner_assignments(self, runner_id: str) -> list[DurableAssignment]:
+        """The assignments that hold a reservation on one runner."""
+        runner = self._runner(runner_id)
+        found = []
+        for held in runner.reservations.values():
+            assignment = self.get_assignment(held["sandbox_id"], held["generation"])
+            if assignment is not None:
+                found.append(assignment)
+        return sorted(found, key=lambda a: (a.sandbox_id, a.generation))
+
+    def sandbox_home(self, sandbox_id: str) -> str:
+        return self._sandbox(sandbox_id).home_runner_id
+
+    def runner_snapshots(self, pool_name: str | None = None) -> list[RunnerSnapshot]:
+        """Every registered runner (of one pool), sorted by id."""
+        snapshots = []
+        for runner_id in self.runner_index.runner_ids(pool_name):
+            runner = self._load(runner_uuid(runner_id), Runner)
+            if runner is None or runner.deregistered:
+                continue
+            snapshots.append(runner.snapshot(self._lease(runner_id)))
+        return snapshots
+
+    def get_runner(self, runner_id: str) -> RunnerSnapshot:
+        require_text("runner_id", runner_id)
+        return self._runner(runner_id).snapshot(self._lease(runner_id))
+
+    def event_count(self) -> int:
+        """Events recorded so far (the notification log's head position)."""
+        return self.recorder.max_notification_id() or 0
+
+
+# -- input checks -------------------------------------------------------------
+
+
+def _as_collection(field_name: str, value: object) -> Any:
+    if isinstance(value, (str, bytes)):
+        raise InvalidRequestError(field_name, "must be a collection, not a single string", value)
+    return value
+
+
+def _as_capacity(field_name: str, value: object) -> Capacity:
+    if isinstance(value, Capacity):
+        return value
+    if not isinstance(value, Mapping):
+        raise InvalidRequestError(field_name, "must be a Capacity or a mapping", value)
+    try:
+        return Capacity(**value)
+    except InvalidRequestError as error:
+        raise InvalidRequestError(f"{field_name}.{error.field}", error.rule, error.value) from None
+
+
+def _as_requirements(value: object) -> Requirements:
+    if isinstance(value, Mapping):
+        value = Requirements(**value)
+    if not isinstance(value, Requirements):
+        raise InvalidRequestError("requirements", "must be Requirements or a mapping", value)
+    if not value.pool_name:
+        raise InvalidRequestError("requirements.pool_name", "must not be empty")
+    if not value.architecture:
+        raise InvalidRequestError("requirements.architecture", "must not be empty")
+    if value.guest_protocol_generation < 1:
+        raise InvalidRequestError("requirements.guest_protocol_generation", "must be at least 1")
+    return value
+
+
+def _require_timeout(value: object) -> None:
+    if not isinstance(value, timedelta):
+        raise InvalidRequestError("heartbeat_timeout", "must be a timedelta", value)
+    if value <= timedelta(0):
+        raise InvalidRequestError("heartbeat_timeout", "must be greater than zero")
+
+
+def _require_generation(sandbox_id: object, generation: object) -> None:
+    require_text("sandbox_id", sandbox_id)
+    if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
+        raise InvalidRequestError("generation", "must be an integer of at least 1", generation)
+
+
+def _require_fence(sandbox_id: object, generation: object, fencing_token: object) -> None:
+    _require_generation(sandbox_id, generation)
+    if not isinstance(fencing_token, bytes) or not fencing_token:
+        raise InvalidRequestError("fencing_token", "must be non-empty bytes", fencing_token)

@@ -1,0 +1,1 @@
+"""Read models rebuilt from the scheduler's events."""
