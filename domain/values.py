@@ -64,7 +64,11 @@ NameSet = Annotated[
 def invalid_request_from(model: str, error: ValidationError) -> InvalidRequestError:
     """The first pydantic error as an InvalidRequestError naming field and rule."""
     first = error.errors()[0]
-    field = ".".join(str(part) for part in first["loc"]) or model
+    path = [str(part) for part in first["loc"]]
+    inner = first.get("ctx", {}).get("error")
+    if isinstance(inner, InvalidRequestError):  # a nested value type's own refusal
+        return InvalidRequestError(".".join([*path, inner.field]), inner.rule, inner.value)
+    field = ".".join(path) or model
     return InvalidRequestError(field, f"{first['msg']} ({model})", first.get("input"))
 
 

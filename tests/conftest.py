@@ -1,0 +1,121 @@
+"""Shared fixtures: a controllable clock and the two stores every application test runs on.
+
+``store`` is parametrised over SQLite (a file in the test's tmp_path) and PostgreSQL
+(a schema of its own in the server's database, dropped afterwards), so each test is
+isolated and tests run in any order.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from infrastructure import SchedulerApplication
+from tests.postgres_server import PostgresServer, ThrowawayCluster, from_environment
+
+T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+
+
+@dataclass
+class Clock:
+    """A clock the test moves by hand."""
+
+    current: datetime = T0
+
+    def __call__(self) -> datetime:
+        return self.current
+
+    def advance(self, **delta: float) -> datetime:
+        self.current += timedelta(**delta)
+        return self.current
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    server = from_environment()
+    if server is not None:
+        yield server
+        return
+    try:
+        cluster = ThrowawayCluster()
+    except Exception as error:  # no binaries, or they failed to start
+        pytest.fail(f"{error}", pytrace=False)
+    try:
+        yield cluster.server
+    finally:
+        cluster.stop()
+
+
+@dataclass
+class PostgresSchema:
+    server: PostgresServer
+    name: str
+
+    def env(self) -> dict[str, str]:
+        return {**self.server.env(), "POSTGRES_SCHEMA": self.name}
+
+    def url(self) -> str:
+        return self.server.url(self.name)
+
+
+@pytest.fixture
+def postgres_schema(postgres_server: PostgresServer) -> Iterator[PostgresSchema]:
+    name = f"t_{uuid.uuid4().hex[:16]}"
+    with psycopg.connect(postgres_server.conninfo(), autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{name}"')
+    try:
+        yield PostgresSchema(postgres_server, name)
+    finally:
+        with psycopg.connect(postgres_server.conninfo(), autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+
+
+@dataclass
+class Store:
+    """Opens applications (scheduler replicas) on one isolated store."""
+
+    kind: str
+    env: dict[str, str]
+    clock: Clock
+    opened: list[SchedulerApplication] = field(default_factory=list)
+
+    def open(
+        self, now: Callable[[], datetime] | None = None, **kwargs: object
+    ) -> SchedulerApplication:
+        app = SchedulerApplication(env=dict(self.env), now=now or self.clock, **kwargs)  # type: ignore[arg-type]
+        self.opened.append(app)
+        return app
+
+    def close(self) -> None:
+        for app in self.opened:
+            app.close()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request: pytest.FixtureRequest, tmp_path: Path, clock: Clock) -> Iterator[Store]:
+    if request.param == "sqlite":
+        env = {"PERSISTENCE_MODULE": "eventsourcing.sqlite", "SQLITE_DBNAME": str(tmp_path / "s.db")}
+    else:
+        schema: PostgresSchema = request.getfixturevalue("postgres_schema")
+        env = schema.env()
+    opened = Store(request.param, env, clock)
+    try:
+        yield opened
+    finally:
+        opened.close()
+
+
+@pytest.fixture
+def app(store: Store) -> SchedulerApplication:
+    return store.open()
