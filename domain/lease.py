@@ -61,6 +61,18 @@ class RunnerLease(Aggregate):
             lease.artifact_digests = list(self.artifact_digests)
             lease.materializations = [dict(item) for item in self.materializations]
 
+    def materialization_snapshots(self) -> tuple[MaterializationSnapshot, ...]:
+        return tuple(
+            MaterializationSnapshot.model_construct(
+                backend_kind=item["backend_kind"],
+                architecture=item["architecture"],
+                runtime_digest=item["runtime_digest"],
+                toolchain_digest=item["toolchain_digest"],
+                digest=item["digest"],
+            )
+            for item in self.materializations
+        )
+
     def observe(
         self,
         *,

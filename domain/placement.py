@@ -17,9 +17,16 @@ from typing import Any
 from domain.errors import (
     EgressContextUnavailableError,
     HomeRunnerUnavailableError,
+    InvalidRequestError,
     NoCompatibleRunnerError,
 )
-from domain.values import DRAIN_PHASE_ACTIVE, Capacity, Requirements, RunnerSnapshot
+from domain.values import (
+    DRAIN_PHASE_ACTIVE,
+    Capacity,
+    Requirements,
+    RunnerSnapshot,
+    require_aware,
+)
 
 # Reason codes, in the order the checks run.
 POOL = "pool"
@@ -152,8 +159,7 @@ def _check_materialization(ctx: _Context, runner: RunnerSnapshot) -> RuleFailure
     if len(digests) != 2:
         return RuleFailure(
             MATERIALIZATION,
-            "preferred artifact digests must be exactly [runtime, toolchain], "
-            f"got {len(digests)}",
+            f"preferred artifact digests must be exactly [runtime, toolchain], got {len(digests)}",
         )
     runtime, toolchain = digests
     for item in runner.materializations:
@@ -253,6 +259,9 @@ REASON_CODES: tuple[str, ...] = tuple(code for code, _ in CHECKS)
 
 
 def _context(requirements: Requirements, now: datetime, heartbeat_timeout: timedelta) -> _Context:
+    now = require_aware("now", now)
+    if not isinstance(heartbeat_timeout, timedelta):
+        raise InvalidRequestError("heartbeat_timeout", "must be a timedelta", heartbeat_timeout)
     return _Context(
         requirements=requirements,
         stale_before=now - heartbeat_timeout,
@@ -271,9 +280,7 @@ def evaluate_runner(
 
 
 def _evaluate(ctx: _Context, runner: RunnerSnapshot) -> RunnerEvaluation:
-    failures = tuple(
-        failure for _, check in CHECKS if (failure := check(ctx, runner)) is not None
-    )
+    failures = tuple(failure for _, check in CHECKS if (failure := check(ctx, runner)) is not None)
     return RunnerEvaluation(runner.id, failures)
 
 
@@ -320,7 +327,8 @@ def decide(
     ctx = _context(requirements, now, heartbeat_timeout)
     evaluations = tuple(_evaluate(ctx, runner) for runner in runners)
     compatible = [
-        runner for runner, evaluation in zip(runners, evaluations, strict=True)
+        runner
+        for runner, evaluation in zip(runners, evaluations, strict=True)
         if evaluation.compatible
     ]
     chosen = min(compatible, key=lambda r: _rank_key(ctx.preferred, r)) if compatible else None

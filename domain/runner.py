@@ -31,7 +31,6 @@ from domain.values import (
     DRAIN_PHASE_ACTIVE,
     DRAIN_PHASE_DRAINING,
     Capacity,
-    MaterializationSnapshot,
     RunnerSnapshot,
 )
 
@@ -73,7 +72,7 @@ class Runner(Aggregate):
         self.architecture = architecture
         self.capabilities = list(capabilities)
         self.allocatable = dict(allocatable)
-        self.reserved = {dim: 0 for dim in Capacity.DIMENSIONS}
+        self.reserved = dict.fromkeys(Capacity.DIMENSIONS, 0)
         self.reservations: dict[str, dict[str, Any]] = {}
         self.drain_phase = DRAIN_PHASE_ACTIVE
         self.deregistered = False
@@ -290,10 +289,7 @@ class Runner(Aggregate):
             drain_phase=self.drain_phase,
             last_heartbeat_at=lease.last_heartbeat_at,
             artifact_digests=tuple(lease.artifact_digests),
-            materializations=tuple(
-                MaterializationSnapshot.model_construct(**item)
-                for item in lease.materializations
-            ),
+            materializations=lease.materialization_snapshots(),
             supported_egress_contexts=tuple(self.supported_egress_contexts),
             guest_protocol_minimum=self.guest_protocol_minimum,
             guest_protocol_maximum=self.guest_protocol_maximum,

@@ -247,9 +247,7 @@ class Sandbox(Aggregate):
             self.home_runner_id, requirements, [runner], request.now, request.heartbeat_timeout
         )
         record = new_assignment_record(request, runner, self.generation, request.now)
-        placement = decision_record(
-            request.now, request.heartbeat_timeout, [], runner.id
-        )
+        placement = decision_record(request.now, request.heartbeat_timeout, [], runner.id)
         placement["candidates"] = [{"runner_id": runner.id, "failures": []}]
         placement.update(
             home_runner_id=self.home_runner_id,
@@ -281,8 +279,7 @@ class Sandbox(Aggregate):
         record = self._current(generation)
         if not hmac.compare_digest(record["fencing_token"], fencing_token.hex()):
             raise StaleFenceError(
-                f"sandbox {self.sandbox_id!r} generation {generation}: fencing token "
-                "does not match"
+                f"sandbox {self.sandbox_id!r} generation {generation}: fencing token does not match"
             )
         return record
 
@@ -332,7 +329,9 @@ class Sandbox(Aggregate):
             raise InvalidTransitionError(
                 f"assignment {record['id']!r} is {record['state']} and cannot fail"
             )
-        retry = failure_class in TRANSIENT_FAILURES and record["retry_count"] < record["retry_limit"]
+        retry = (
+            failure_class in TRANSIENT_FAILURES and record["retry_count"] < record["retry_limit"]
+        )
         self.trigger_event(
             self.AssignmentFailed,
             timestamp=at,
@@ -343,9 +342,7 @@ class Sandbox(Aggregate):
         )
         return record
 
-    def claim_reconcile(
-        self, generation: int, owner: str, until: datetime, now: datetime
-    ) -> bool:
+    def claim_reconcile(self, generation: int, owner: str, until: datetime, now: datetime) -> bool:
         """Claim reconciliation; False if another owner holds an unexpired claim."""
         record = self._current(generation)
         holder = record["reconcile_owner"]

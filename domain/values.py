@@ -12,7 +12,7 @@ always give equal records.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, ClassVar, Self
 
 from pydantic import (
@@ -41,7 +41,7 @@ MIN_FENCING_TOKEN_BYTES = 32
 
 
 def _to_utc(value: datetime) -> datetime:
-    return value.astimezone(timezone.utc)
+    return value.astimezone(UTC)
 
 
 def _names_from_map(value: object) -> object:
@@ -123,7 +123,13 @@ class Capacity(Value):
     @classmethod
     def of(cls, amounts: Mapping[str, int]) -> Capacity:
         """Trusted construction from a dimension mapping (no validation)."""
-        return cls.model_construct(**{dim: int(amounts.get(dim, 0)) for dim in cls.DIMENSIONS})
+        return cls.model_construct(
+            vcpu_count=int(amounts.get("vcpu_count", 0)),
+            memory_bytes=int(amounts.get("memory_bytes", 0)),
+            disk_bytes=int(amounts.get("disk_bytes", 0)),
+            instances=int(amounts.get("instances", 0)),
+            operations=int(amounts.get("operations", 0)),
+        )
 
 
 class Requirements(Value):
@@ -265,12 +271,20 @@ class ScheduleRequest(Value):
         if not requirements.architecture:
             raise InvalidRequestError("requirements.architecture", "must not be empty")
         if requirements.guest_protocol_generation < 1:
-            raise InvalidRequestError("requirements.guest_protocol_generation", "must be at least 1")
+            raise InvalidRequestError(
+                "requirements.guest_protocol_generation", "must be at least 1"
+            )
         if len(self.fencing_token) < MIN_FENCING_TOKEN_BYTES:
             raise InvalidRequestError(
                 "fencing_token", f"must be at least {MIN_FENCING_TOKEN_BYTES} bytes"
             )
-        for name in ("claim_expires_at", "operation_deadline", "now", "effect_started_at", "plan_ready_at"):
+        for name in (
+            "claim_expires_at",
+            "operation_deadline",
+            "now",
+            "effect_started_at",
+            "plan_ready_at",
+        ):
             require_aware(name, getattr(self, name))
         if self.heartbeat_timeout <= timedelta(0):
             raise InvalidRequestError("heartbeat_timeout", "must be greater than zero")
@@ -278,7 +292,9 @@ class ScheduleRequest(Value):
             raise InvalidRequestError("retry_limit", "must not be negative")
         if self.serialization_retry_limit < 0:
             raise InvalidRequestError("serialization_retry_limit", "must not be negative")
-        assert self.now and self.effect_started_at and self.plan_ready_at
+        assert self.now
+        assert self.effect_started_at
+        assert self.plan_ready_at
         if self.effect_started_at < self.now:
             raise InvalidRequestError("effect_started_at", "must not be before now")
         if self.plan_ready_at < self.effect_started_at:
@@ -293,7 +309,7 @@ def require_aware(field: str, value: object) -> datetime:
         raise InvalidRequestError(field, "must be a datetime", value)
     if value.tzinfo is None or value.utcoffset() is None:
         raise InvalidRequestError(field, "must be timezone-aware (UTC)", value)
-    return value.astimezone(timezone.utc)
+    return value.astimezone(UTC)
 
 
 def require_text(field: str, value: object) -> str:

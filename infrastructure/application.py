@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any, ClassVar, TypeVar
 from uuid import UUID
 
@@ -47,6 +47,7 @@ from domain.values import (
     require_string_map,
     require_text,
 )
+from infrastructure.event_log import count_events
 from infrastructure.settings import DATABASE_URL, LEASE_RENEWAL_SECONDS, settings_from_url
 from projections.runner_index import RunnerIndex
 
@@ -60,12 +61,12 @@ DEFAULT_LEASE_RENEWAL = timedelta(seconds=10)
 
 
 def system_now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def backoff_ceiling(retry: int) -> float:
     """Upper bound of the full-jitter draw before retry number ``retry`` (0-based)."""
-    return min(BACKOFF_BASE_SECONDS * 2**retry, BACKOFF_CAP_SECONDS)
+    return min(BACKOFF_BASE_SECONDS * 2.0**retry, BACKOFF_CAP_SECONDS)
 
 
 @dataclass
@@ -147,7 +148,7 @@ class SchedulerApplication(Application[UUID]):
 
     def _load(self, aggregate_id: UUID, kind: type[A]) -> A | None:
         try:
-            aggregate = self.repository.get(aggregate_id)
+            aggregate: object = self.repository.get(aggregate_id)
         except AggregateNotFoundError:
             return None
         assert isinstance(aggregate, kind)
@@ -190,7 +191,9 @@ class SchedulerApplication(Application[UUID]):
                 self.save(sandbox)
             return result
 
-        return self._retrying(attempt, retries=COMMAND_RETRY_LIMIT, subject=f"sandbox {sandbox_id!r}")
+        return self._retrying(
+            attempt, retries=COMMAND_RETRY_LIMIT, subject=f"sandbox {sandbox_id!r}"
+        )
 
     # -- runner side ----------------------------------------------------------
 
@@ -431,7 +434,9 @@ class SchedulerApplication(Application[UUID]):
             self.save(sandbox, runner)
             return True
 
-        return self._retrying(attempt, retries=COMMAND_RETRY_LIMIT, subject=f"sandbox {sandbox_id!r}")
+        return self._retrying(
+            attempt, retries=COMMAND_RETRY_LIMIT, subject=f"sandbox {sandbox_id!r}"
+        )
 
     def fail(
         self, sandbox_id: str, generation: int, fencing_token: bytes, failure_class: str
@@ -519,7 +524,11 @@ class SchedulerApplication(Application[UUID]):
         return self._runner(runner_id).snapshot(self._lease(runner_id))
 
     def event_count(self) -> int:
-        """Events recorded so far (the notification log's head position)."""
+        """How many events the store holds (all aggregates of this application)."""
+        return count_events(self.recorder)
+
+    def head_position(self) -> int:
+        """The notification log's head position (may exceed the count on PostgreSQL)."""
         return self.recorder.max_notification_id() or 0
 
 

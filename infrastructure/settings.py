@@ -57,8 +57,7 @@ def settings_from_url(url: str) -> dict[str, str]:
         return settings
     raise InvalidRequestError(
         DATABASE_URL,
-        "must start with sqlite:/// or postgresql:// "
-        f"(got {scheme + '://' if scheme else url!r})",
+        f"must start with sqlite:/// or postgresql:// (got {scheme + '://' if scheme else url!r})",
     )
 
 

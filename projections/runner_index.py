@@ -22,7 +22,7 @@ _PAGE = 1000
 class RunnerIndex:
     """Registered runner ids by pool, caught up on demand from the notification log."""
 
-    def __init__(self, recorder: ApplicationRecorder, mapper: Mapper) -> None:
+    def __init__(self, recorder: ApplicationRecorder, mapper: Mapper[UUID]) -> None:
         self._recorder = recorder
         self._mapper = mapper
         self._topics = [get_topic(Runner.Registered), get_topic(Runner.Deregistered)]
@@ -44,9 +44,9 @@ class RunnerIndex:
                     assert isinstance(event, Runner.Registered)
                     self._pools.setdefault(event.pool_name, set()).add(event.runner_id)
                     self._pool_of[event.runner_id] = event.pool_name
-                    self._by_stream[notification.originator_id] = event.runner_id
+                    self._by_stream[event.originator_id] = event.runner_id
                 else:
-                    runner_id = self._by_stream.pop(notification.originator_id)
+                    runner_id = self._by_stream.pop(UUID(str(notification.originator_id)))
                     self._pools[self._pool_of.pop(runner_id)].discard(runner_id)
                 self._position = notification.id
             if len(page) < _PAGE:

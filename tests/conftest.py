@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import psycopg
@@ -19,7 +19,7 @@ import pytest
 from infrastructure import SchedulerApplication
 from tests.postgres_server import PostgresServer, ThrowawayCluster, from_environment
 
-T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 
 
 @dataclass
@@ -105,7 +105,10 @@ class Store:
 @pytest.fixture(params=["sqlite", "postgres"])
 def store(request: pytest.FixtureRequest, tmp_path: Path, clock: Clock) -> Iterator[Store]:
     if request.param == "sqlite":
-        env = {"PERSISTENCE_MODULE": "eventsourcing.sqlite", "SQLITE_DBNAME": str(tmp_path / "s.db")}
+        env = {
+            "PERSISTENCE_MODULE": "eventsourcing.sqlite",
+            "SQLITE_DBNAME": str(tmp_path / "s.db"),
+        }
     else:
         schema: PostgresSchema = request.getfixturevalue("postgres_schema")
         env = schema.env()

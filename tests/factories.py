@@ -89,13 +89,7 @@ def register(
         )
 
 
-def schedule_request(
-    sandbox_id: str,
-    now: datetime,
-    *,
-    generation_token: bytes | None = None,
-    **overrides: Any,
-) -> ScheduleRequest:
+def schedule_request(sandbox_id: str, now: datetime, /, **overrides: Any) -> ScheduleRequest:
     """A valid request for ``sandbox_id`` created with the default profile."""
     fields: dict[str, Any] = {
         "assignment_id": f"assignment-{sandbox_id}-{next(_tokens)}",
@@ -107,7 +101,7 @@ def schedule_request(
         "profile_revision_id": "profile-1",
         "requirements": requirements(),
         "assignment_command": {"kind": "start"},
-        "fencing_token": generation_token or token(),
+        "fencing_token": token(),
         "resolved_artifacts": {"runtime": RUNTIME},
         "claim_expires_at": now + timedelta(minutes=5),
         "operation_deadline": now + timedelta(minutes=10),
@@ -122,9 +116,7 @@ def schedule_request(
     return ScheduleRequest(**fields)
 
 
-def create_sandbox(
-    app: SchedulerApplication, sandbox_id: str, **requirement_overrides: Any
-) -> str:
+def create_sandbox(app: SchedulerApplication, sandbox_id: str, **requirement_overrides: Any) -> str:
     return app.create_sandbox(
         sandbox_id=sandbox_id,
         workspace_id=f"workspace-{sandbox_id}",

@@ -1,0 +1,565 @@
+"""The ``secondbox-scheduler`` command line: simulate a fleet, inspect runners and assignments.
+
+Every command reads the store named by ``--database-url`` (or the
+``SECONDBOX_DATABASE_URL`` environment variable), prints rich tables for people or,
+with ``--json``, JSON only on stdout. A refusal of the scheduler (any
+:class:`~domain.errors.SchedulerError`) or an unreachable store is one line on
+stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Annotated, Any, NoReturn
+from urllib.parse import urlsplit, urlunsplit
+
+import typer
+from eventsourcing.persistence import PersistenceError
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from domain.errors import SchedulerError
+from domain.values import DurableAssignment, RunnerSnapshot
+from infrastructure.application import SchedulerApplication
+from infrastructure.settings import DATABASE_URL, DEFAULT_SQLITE_URL
+from infrastructure.simulation import (
+    ATTEMPTS_PER_CYCLE,
+    HEARTBEAT_TIMEOUT,
+    DimensionUse,
+    SimulationConfig,
+    SimulationResult,
+    run_simulation,
+    sqlite_path,
+)
+
+GIB = 2**30
+EXIT_REFUSED = 2
+PIPE_WIDTH = 160
+CONNECT_TIMEOUT = "POSTGRES_CONNECT_TIMEOUT"
+DEFAULT_CONNECT_TIMEOUT_SECONDS = "10"
+
+cli = typer.Typer(
+    name="secondbox-scheduler",
+    help=(
+        "Event-sourced scheduler of the SecondBox sandbox platform: placement, capacity "
+        "reservation and fenced assignment authority.\n\n"
+        "Start with [bold]secondbox-scheduler simulate[/bold] to fill ./secondbox.db with a "
+        "seeded fleet, then look at it with [bold]runners[/bold] and [bold]assignments[/bold]."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="rich",
+    pretty_exceptions_show_locals=False,
+)
+
+DatabaseUrl = Annotated[
+    str,
+    typer.Option(
+        "--database-url",
+        envvar=DATABASE_URL,
+        help=(
+            "Store to use: sqlite:///relative.db, sqlite:////absolute/path.db or "
+            "postgresql://user:pass@host:port/db."
+        ),
+    ),
+]
+JsonOutput = Annotated[
+    bool,
+    typer.Option("--json", help="Print machine-readable JSON on stdout and nothing else."),
+]
+
+
+class CommandError(Exception):
+    """A problem of the command's input or environment, reported as one line."""
+
+
+def _fail(message: str) -> NoReturn:
+    Console(stderr=True, highlight=False, soft_wrap=True).print(
+        f"[bold red]error:[/bold red] {message}", markup=True
+    )
+    raise typer.Exit(EXIT_REFUSED)
+
+
+@contextmanager
+def _reported_errors() -> Iterator[None]:
+    """Turn expected failures into one line on stderr and exit code 2 (no traceback)."""
+    try:
+        yield
+    except (SchedulerError, CommandError) as error:
+        _fail(escape(str(error)))
+    except PersistenceError as error:
+        _fail(escape(f"database error: {type(error).__name__}: {error}"))
+
+
+@contextmanager
+def _store_errors(database_url: str) -> Iterator[None]:
+    """Name the store (password hidden) in a database error."""
+    try:
+        yield
+    except PersistenceError as error:
+        detail = f"{type(error).__name__}: {error}".strip()
+        raise CommandError(f"database error on {redact(database_url)}: {detail}") from None
+
+
+def redact(database_url: str) -> str:
+    """The URL with its password replaced by ***."""
+    parts = urlsplit(database_url)
+    if not parts.password:
+        return database_url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def store_env(database_url: str) -> dict[str, str]:
+    """Application settings for the store; a PostgreSQL connect timeout unless one is set."""
+    env = {DATABASE_URL: database_url}
+    if CONNECT_TIMEOUT not in os.environ:
+        env[CONNECT_TIMEOUT] = DEFAULT_CONNECT_TIMEOUT_SECONDS
+    return env
+
+
+def _open_store(database_url: str, *, must_exist: bool = True) -> SchedulerApplication:
+    path = sqlite_path(database_url)
+    if must_exist and path is not None and not path.exists():
+        raise CommandError(
+            f"no database at {path} ({database_url}); run `secondbox-scheduler simulate` "
+            "first or pass --database-url"
+        )
+    with _store_errors(database_url):
+        return SchedulerApplication(env=store_env(database_url))
+
+
+def _print_json(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2))
+
+
+def _stdout() -> Console:
+    """Tables for people: the terminal's width, or wide enough not to fold when piped."""
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console = Console(highlight=False, width=max(console.width, PIPE_WIDTH))
+    return console
+
+
+# -- simulate ----------------------------------------------------------------------------
+
+
+SIMULATE_HELP = (
+    "Run a seeded, deterministic fleet simulation and print what the scheduler did.\n\n"
+    "Registers a fleet of runners (3 pools, x86_64 and aarch64; most fully capable, a few "
+    "lacking a capability, a guest protocol or a materialization), heartbeats them on a "
+    "simulated clock, creates sandboxes from a few profile revisions per pool and runs "
+    "start/stop cycles with random arrivals: schedule (a fenced assignment), mark running, "
+    "release with proof, advance the generation, schedule again.\n\n"
+    "Part-way through one runner is drained (the drain is cancelled later) and another stops "
+    "heartbeating, so restarts homed there are refused with the reason codes draining and "
+    "heartbeat_stale.\n\n"
+    "Prints placements, replays, refusals by error and by reason code, utilisation per pool "
+    "and per runner (at the end and peak), contention retries, heartbeats recorded and "
+    "coalesced, events written and the wall time. Defaults finish in seconds on SQLite."
+)
+EXAMPLES_SIMULATE = (
+    "[bold]Examples[/bold]\n\n"
+    "  secondbox-scheduler simulate\n"
+    "  secondbox-scheduler simulate --seed 11 --runners 12 --sandboxes 40 --json\n"
+    "  secondbox-scheduler simulate --database-url sqlite:////tmp/fleet.db --no-fresh"
+)
+
+
+@cli.command(
+    help=SIMULATE_HELP,
+    short_help="Run a seeded fleet simulation and summarise it.",
+    epilog=EXAMPLES_SIMULATE,
+)
+def simulate(
+    database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
+    seed: Annotated[
+        int, typer.Option(help="Seed of every random choice: same seed, same run.")
+    ] = 7,
+    runners: Annotated[
+        int, typer.Option(min=3, help="Runners in the fleet, split over 3 pools.")
+    ] = 36,
+    sandboxes: Annotated[int, typer.Option(min=1, help="Sandboxes to create.")] = 200,
+    cycles: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help=(
+                "Start/stop cycles per sandbox: started this many times, released and moved "
+                "to its next generation between starts, left running after the last."
+            ),
+        ),
+    ] = 3,
+    fresh: Annotated[
+        bool,
+        typer.Option(
+            "--fresh/--no-fresh",
+            help=(
+                "Delete the SQLite database file first, so reruns are reproducible. "
+                "--no-fresh appends to the store; ids are then prefixed so they never collide."
+            ),
+        ),
+    ] = True,
+    json_output: JsonOutput = False,
+) -> None:
+    config = SimulationConfig(
+        database_url=database_url,
+        seed=seed,
+        runners=runners,
+        sandboxes=sandboxes,
+        cycles=cycles,
+        fresh=fresh,
+    )
+    err = Console(stderr=True, highlight=False)
+    with _reported_errors():
+        if fresh and not database_url.lower().startswith("sqlite"):
+            err.print(
+                "note: --fresh only deletes SQLite files; this store is appended to "
+                "(ids get a run prefix when it is not empty)"
+            )
+        columns = (
+            TextColumn("[progress.description]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+        )
+        show = not json_output and err.is_terminal
+        with Progress(*columns, console=err, disable=not show, transient=True) as progress:
+            task = progress.add_task("simulating start cycles", total=sandboxes * cycles)
+
+            def advance(done: int, total: int) -> None:
+                progress.update(task, completed=done, total=total)
+
+            with _store_errors(database_url):
+                result = run_simulation(config, progress=advance, env=store_env(database_url))
+    if json_output:
+        _print_json(result.to_dict())
+    else:
+        print_summary(result, _stdout())
+
+
+def _gib(amount: int) -> str:
+    return f"{amount / GIB:,.0f}"
+
+
+def _use_cell(use: DimensionUse, scale: int = 1) -> str:
+    """``reserved/allocatable percent``, then ``^peak%`` when the peak was higher."""
+    if scale == 1:
+        cell = f"{use.reserved}/{use.allocatable}"
+    else:
+        cell = f"{_gib(use.reserved)}/{_gib(use.allocatable)}"
+    cell = f"{cell} {use.percent:3.0f}%"
+    if use.peak > use.reserved:
+        cell += f" ^{use.peak_percent:.0f}%"
+    return cell
+
+
+def _duration(seconds: float) -> str:
+    minutes, rest = divmod(int(seconds), 60)
+    return f"{minutes}m{rest:02d}s"
+
+
+def print_summary(result: SimulationResult, console: Console) -> None:
+    """The human summary of one simulation."""
+    console.print(
+        f"[bold]SecondBox scheduler simulation[/bold]: seed {result.seed}, "
+        f"{result.runners} runners, {result.sandboxes} sandboxes, {result.cycles} cycles, "
+        f"{result.database_url}"
+    )
+    overview = Table(box=box.SIMPLE, show_header=False, pad_edge=False)
+    overview.add_column("what", style="bold")
+    overview.add_column("value")
+    created = result.sandboxes_created
+    heartbeats = result.heartbeats
+    rows = [
+        (
+            "simulated time",
+            f"{_duration(result.simulated_seconds)} (heartbeat timeout "
+            f"{HEARTBEAT_TIMEOUT.total_seconds():.0f}s)",
+        ),
+        (
+            "sandboxes created",
+            f"{created} of {result.sandboxes} ({result.sandboxes - created} refused)",
+        ),
+        ("start attempts", str(result.start_attempts)),
+        ("placements", str(result.placements)),
+        ("replays", f"{result.replays} (duplicate schedule requests answered idempotently)"),
+        ("releases", f"{result.releases} (generations advanced {result.generations_advanced})"),
+        ("transient failures", str(result.transient_failures)),
+        ("late fences rejected", f"{result.late_fences_rejected} (stale generation or token)"),
+        (
+            "cycles abandoned",
+            f"{result.cycles_abandoned} (start refused {ATTEMPTS_PER_CYCLE} times)",
+        ),
+        ("running at the end", str(result.running_at_end)),
+        (
+            "drained runner",
+            f"{result.drained_runner or '-'} "
+            f"({'drain cancelled later' if result.drain_cancelled else 'still draining'})",
+        ),
+        ("stale runner", f"{result.stale_runner or '-'} (stopped heartbeating)"),
+        ("contention retries", f"{result.contention_retries} ({result.contention_errors} gave up)"),
+        (
+            "heartbeats",
+            f"{heartbeats.get('sent', 0)} sent: {heartbeats.get('recorded', 0)} "
+            f"recorded, {heartbeats.get('coalesced', 0)} coalesced, "
+            f"{heartbeats.get('stale', 0)} out of order",
+        ),
+        ("events written", f"{result.events_written} ({result.events_in_store} in the store)"),
+        (
+            "ledger check",
+            "reservations match the store"
+            if result.ledger_matches_store
+            else "[red]reservations DIFFER from the store[/red]",
+        ),
+        ("wall time", f"{result.wall_seconds:.2f}s"),
+    ]
+    for name, value in rows:
+        overview.add_row(name, value)
+    console.print(overview)
+
+    refusals = Table(title="Refusals by error", box=box.SIMPLE_HEAD, title_justify="left")
+    refusals.add_column("operation")
+    refusals.add_column("error")
+    refusals.add_column("count", justify="right")
+    for operation, by_type in result.refusals.items():
+        for error, count in by_type.items():
+            refusals.add_row(operation, error, str(count))
+    if not refusals.row_count:
+        refusals.add_row("-", "none", "0")
+    console.print(refusals)
+
+    reasons = Table(title="Refusals by reason code", box=box.SIMPLE_HEAD, title_justify="left")
+    reasons.add_column("reason code")
+    reasons.add_column("schedule (home runner)", justify="right")
+    reasons.add_column("create_sandbox (runners refusing)", justify="right")
+    schedule = result.refusal_reasons.get("schedule", {})
+    create = result.refusal_reasons.get("create_sandbox", {})
+    for code in dict.fromkeys([*schedule, *create]):
+        reasons.add_row(code, str(schedule.get(code, 0)), str(create.get(code, 0)))
+    console.print(reasons)
+
+    pools = Table(
+        title="Utilisation per pool at the end (^ peak when higher)",
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+    )
+    for name in ("pool", "runners", "vCPU", "memory GiB", "instances"):
+        pools.add_column(name, justify="left" if name == "pool" else "right")
+    for pool in result.pools:
+        pools.add_row(
+            pool.pool_name,
+            str(pool.runners),
+            _use_cell(pool.vcpu_count),
+            _use_cell(pool.memory_bytes, GIB),
+            _use_cell(pool.instances),
+        )
+    console.print(pools)
+
+    per_runner = Table(
+        title="Utilisation per runner at the end (^ peak when higher)",
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+    )
+    for name in ("runner", "arch", "state"):
+        per_runner.add_column(name)
+    for name in ("vCPU", "memory GiB", "instances"):
+        per_runner.add_column(name, justify="right")
+    for use in result.runner_use:
+        state = use.drain_phase if use.heartbeat == "live" else f"{use.drain_phase}, stale"
+        per_runner.add_row(
+            use.runner_id,
+            use.architecture,
+            state,
+            _use_cell(use.vcpu_count),
+            _use_cell(use.memory_bytes, GIB),
+            _use_cell(use.instances),
+        )
+    console.print(per_runner)
+
+
+# -- runners ------------------------------------------------------------------------------
+
+
+def _time(value: datetime | None) -> str:
+    return "-" if value is None else value.strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _pair(reserved: int, allocatable: int, scale: int = 1) -> str:
+    if scale == 1:
+        return f"{reserved}/{allocatable}"
+    return f"{_gib(reserved)}/{_gib(allocatable)}"
+
+
+RUNNERS_HELP = (
+    "List registered runners: pool, architecture, backend, drain phase, last heartbeat and "
+    "reserved/allocatable vCPU, memory and instances.\n\n"
+    "With --json each runner is a full RunnerSnapshot (capabilities, materializations, egress "
+    "contexts, every capacity dimension)."
+)
+EXAMPLES_RUNNERS = (
+    "[bold]Examples[/bold]\n\n"
+    "  secondbox-scheduler runners\n"
+    "  secondbox-scheduler runners --pool edge\n"
+    "  secondbox-scheduler runners --json | jq '.[] | {id, drain_phase}'"
+)
+
+
+@cli.command(
+    "runners",
+    help=RUNNERS_HELP,
+    short_help="List runners with drain phase, heartbeat and capacity.",
+    epilog=EXAMPLES_RUNNERS,
+)
+def list_runners(
+    database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
+    pool: Annotated[
+        str | None, typer.Option("--pool", help="Only the runners of this pool.")
+    ] = None,
+    json_output: JsonOutput = False,
+) -> None:
+    with _reported_errors():
+        app = _open_store(database_url)
+        try:
+            with _store_errors(database_url):
+                snapshots = app.runner_snapshots(pool)
+        finally:
+            app.close()
+    if json_output:
+        _print_json([snapshot.model_dump(mode="json") for snapshot in snapshots])
+        return
+    _stdout().print(runner_table(snapshots, pool))
+
+
+def runner_table(snapshots: list[RunnerSnapshot], pool: str | None = None) -> Table:
+    title = f"Runners of pool {pool}" if pool else "Runners"
+    table = Table(title=f"{title} ({len(snapshots)})", box=box.SIMPLE_HEAD, title_justify="left")
+    for name in ("id", "pool", "arch", "backend", "drain", "last heartbeat"):
+        table.add_column(name)
+    for name in ("vCPU", "memory GiB", "instances"):
+        table.add_column(name, justify="right")
+    for runner in snapshots:
+        reserved, allocatable = runner.reserved, runner.allocatable
+        table.add_row(
+            runner.id,
+            runner.pool_name,
+            runner.architecture,
+            runner.backend_kind or "-",
+            runner.drain_phase,
+            _time(runner.last_heartbeat_at),
+            _pair(reserved.vcpu_count, allocatable.vcpu_count),
+            _pair(reserved.memory_bytes, allocatable.memory_bytes, GIB),
+            _pair(reserved.instances, allocatable.instances),
+        )
+    return table
+
+
+# -- assignments ----------------------------------------------------------------------------
+
+
+def assignment_json(assignment: DurableAssignment) -> dict[str, Any]:
+    """A DurableAssignment as JSON, the fencing token as hex."""
+    data = assignment.model_dump(mode="json", exclude={"fencing_token"})
+    return {
+        name: assignment.fencing_token.hex() if name == "fencing_token" else data[name]
+        for name in DurableAssignment.model_fields
+    }
+
+
+ASSIGNMENTS_HELP = (
+    "Show the fenced assignments of one sandbox (every generation) or of one runner (those "
+    "still holding its capacity). Give exactly one of --sandbox or --runner.\n\n"
+    "With --json each assignment is a full DurableAssignment; the fencing token is hex."
+)
+EXAMPLES_ASSIGNMENTS = (
+    "[bold]Examples[/bold]\n\n"
+    "  secondbox-scheduler assignments --sandbox sbx-0001\n"
+    "  secondbox-scheduler assignments --runner general-01 --json"
+)
+
+
+@cli.command(
+    help=ASSIGNMENTS_HELP,
+    short_help="Show the assignments of a sandbox or of a runner.",
+    epilog=EXAMPLES_ASSIGNMENTS,
+)
+def assignments(
+    sandbox: Annotated[
+        str | None,
+        typer.Option("--sandbox", help="Every generation's assignment of this sandbox."),
+    ] = None,
+    runner: Annotated[
+        str | None,
+        typer.Option("--runner", help="The assignments holding a reservation on this runner."),
+    ] = None,
+    database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
+    json_output: JsonOutput = False,
+) -> None:
+    if (sandbox is None) == (runner is None):
+        raise typer.BadParameter(
+            "give exactly one of --sandbox ID or --runner ID",
+            param_hint="'--sandbox' / '--runner'",
+        )
+    with _reported_errors():
+        app = _open_store(database_url)
+        try:
+            with _store_errors(database_url):
+                if sandbox is not None:
+                    found = app.assignments(sandbox)
+                    title = f"Assignments of sandbox {sandbox}"
+                else:
+                    assert runner is not None
+                    found = app.runner_assignments(runner)
+                    title = f"Assignments holding runner {runner}"
+        finally:
+            app.close()
+    if json_output:
+        _print_json([assignment_json(assignment) for assignment in found])
+        return
+    _stdout().print(assignment_table(found, f"{title} ({len(found)})"))
+
+
+def assignment_table(found: list[DurableAssignment], title: str) -> Table:
+    table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
+    for name in ("sandbox", "gen", "state", "runner", "fencing token"):
+        table.add_column(name)
+    for name in ("vCPU", "memory GiB", "retries"):
+        table.add_column(name, justify="right")
+    table.add_column("created")
+    table.add_column("updated")
+    for assignment in found:
+        table.add_row(
+            assignment.sandbox_id,
+            str(assignment.generation),
+            assignment.state,
+            assignment.runner_id,
+            assignment.fencing_token.hex()[:16] + "…",
+            str(assignment.capacity.vcpu_count),
+            _gib(assignment.capacity.memory_bytes),
+            f"{assignment.retry_count}/{assignment.retry_limit}",
+            _time(assignment.created_at),
+            _time(assignment.updated_at),
+        )
+    return table
+
+
+def main() -> None:
+    """Console-script entry point (``secondbox-scheduler``)."""
+    cli()
+
+
+if __name__ == "__main__":
+    main()
