@@ -23,7 +23,7 @@ from eventsourcing.domain import Aggregate
 from domain.ids import lease_uuid
 from domain.values import MaterializationSnapshot
 
-OBSERVED_STALE = "stale"  # older than (or as old as) the last recorded heartbeat
+OBSERVED_STALE = "stale"  # older than the last recorded heartbeat
 OBSERVED_COALESCED = "coalesced"  # fresh, same evidence, within the renewal interval
 OBSERVED_RENEWED = "renewed"  # liveness renewal recorded
 OBSERVED_EVIDENCE = "evidence"  # evidence change recorded
@@ -84,7 +84,7 @@ class RunnerLease(Aggregate):
     ) -> str:
         """Take one heartbeat; say whether it was stale, coalesced or recorded."""
         last = self.last_heartbeat_at
-        if last is not None and at <= last:
+        if last is not None and at < last:
             return OBSERVED_STALE
         digests = list(artifact_digests)
         items: list[dict[str, Any]] = [item.to_record() for item in materializations]

@@ -92,7 +92,11 @@ class SchedulerMetrics:
 class SchedulerApplication(Application[UUID]):
     """Event-sourced scheduler: runners, sandboxes and fenced assignments."""
 
-    snapshotting_intervals: ClassVar[dict[type[Any], int]] = {Runner: 50, Sandbox: 50}
+    snapshotting_intervals: ClassVar[dict[type[Any], int]] = {
+        Runner: 10,
+        Sandbox: 20,
+        RunnerLease: 20,
+    }
     env: ClassVar[dict[str, str]] = {"AGGREGATE_CACHE_MAXSIZE": "10000"}
 
     def __init__(
@@ -146,24 +150,26 @@ class SchedulerApplication(Application[UUID]):
         self.metrics.add("contention_errors")
         raise SerializationContentionError(retries + 1, subject)
 
-    def _load(self, aggregate_id: UUID, kind: type[A]) -> A | None:
+    def _load(self, aggregate_id: UUID, kind: type[A], *, copy: bool = True) -> A | None:
+        """The aggregate, or None. ``copy=False`` returns the cached instance itself:
+        only for reading a few scalar fields, never for commands."""
         try:
-            aggregate: object = self.repository.get(aggregate_id)
+            aggregate: object = self.repository.get(aggregate_id, deepcopy_from_cache=copy)
         except AggregateNotFoundError:
             return None
         assert isinstance(aggregate, kind)
         return aggregate
 
-    def _runner(self, runner_id: str) -> Runner:
-        runner = self._load(runner_uuid(runner_id), Runner)
+    def _runner(self, runner_id: str, *, copy: bool = True) -> Runner:
+        runner = self._load(runner_uuid(runner_id), Runner, copy=copy)
         if runner is None:
             raise RunnerNotFoundError(runner_id)
         if runner.deregistered:
             raise RunnerNotFoundError(runner_id, "deregistered")
         return runner
 
-    def _lease(self, runner_id: str) -> RunnerLease:
-        lease = self._load(lease_uuid(runner_id), RunnerLease)
+    def _lease(self, runner_id: str, *, copy: bool = True) -> RunnerLease:
+        lease = self._load(lease_uuid(runner_id), RunnerLease, copy=copy)
         if lease is None:
             raise RunnerNotFoundError(runner_id)
         return lease
@@ -266,7 +272,7 @@ class SchedulerApplication(Application[UUID]):
             artifact_digests=_as_collection("artifact_digests", artifact_digests),
             materializations=_as_collection("materializations", materializations),
         )
-        self._runner(runner_id)
+        self._runner(runner_id, copy=False)  # exists and is not deregistered
 
         def attempt(_: int) -> str:
             lease = self._lease(runner_id)
@@ -513,15 +519,15 @@ class SchedulerApplication(Application[UUID]):
         """Every registered runner (of one pool), sorted by id."""
         snapshots = []
         for runner_id in self.runner_index.runner_ids(pool_name):
-            runner = self._load(runner_uuid(runner_id), Runner)
+            runner = self._load(runner_uuid(runner_id), Runner, copy=False)
             if runner is None or runner.deregistered:
                 continue
-            snapshots.append(runner.snapshot(self._lease(runner_id)))
+            snapshots.append(runner.snapshot(self._lease(runner_id, copy=False)))
         return snapshots
 
     def get_runner(self, runner_id: str) -> RunnerSnapshot:
         require_text("runner_id", runner_id)
-        return self._runner(runner_id).snapshot(self._lease(runner_id))
+        return self._runner(runner_id, copy=False).snapshot(self._lease(runner_id, copy=False))
 
     def event_count(self) -> int:
         """How many events the store holds (all aggregates of this application)."""

@@ -556,6 +556,85 @@ def assignment_table(found: list[DurableAssignment], title: str) -> Table:
     return table
 
 
+# -- bench -------------------------------------------------------------------------------
+
+bench_cli = typer.Typer(
+    help="Benchmarks that print figures (never timed tests). See docs/performance.md.",
+    no_args_is_help=True,
+)
+cli.add_typer(bench_cli, name="bench")
+
+
+@bench_cli.command(
+    "history",
+    help=(
+        "Time loading a runner whose stream holds 10, 1,000 and 100,000 events: cold "
+        "(snapshot + tail), warm (aggregate cache, fast-forward) and full replay (no "
+        "snapshots), with ratios against the smallest history.\n\n"
+        "[bold]Example[/bold]\n\n"
+        "  secondbox-scheduler bench history --database-url sqlite:////tmp/bench.db"
+    ),
+)
+def bench_history(
+    database_url: Annotated[
+        str,
+        typer.Option(
+            "--database-url",
+            envvar=DATABASE_URL,
+            help="Store to build the histories in (new runners are added; nothing is removed).",
+        ),
+    ] = "sqlite:///secondbox-bench.db",
+    sizes: Annotated[
+        str, typer.Option("--sizes", help="Comma-separated history sizes, smallest first.")
+    ] = "10,1000,100000",
+    repeat: Annotated[int, typer.Option("--repeat", min=1, help="Loads timed per figure.")] = 15,
+    as_json: JsonOutput = False,
+) -> None:
+    from infrastructure.history_benchmark import measure_history
+
+    try:
+        wanted = [int(part) for part in sizes.split(",") if part.strip()]
+    except ValueError:
+        _fail(f"--sizes must be comma-separated integers, got {sizes!r}")
+    if not wanted or min(wanted) < 1:
+        _fail("--sizes needs at least one size of 1 or more")
+    err = Console(stderr=True, highlight=False)
+    with _reported_errors(), _store_errors(database_url):
+        rows = measure_history(
+            store_env(database_url),
+            wanted,
+            repeat,
+            progress=(lambda _: None) if as_json else (lambda m: err.print(f"[dim]{m}…[/dim]")),
+        )
+    if as_json:
+        _print_json({"database_url": redact(database_url), "rows": [r.to_dict() for r in rows]})
+        return
+    table = Table(title=f"Runner load cost by history ({redact(database_url)})", box=box.SIMPLE)
+    for column in (
+        "events",
+        "snapshot at",
+        "tail",
+        "cold ms",
+        "ratio",
+        "warm ms",
+        "ratio",
+        "replay ms",
+    ):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(
+            f"{row.events:,}",
+            "-" if row.snapshot_version is None else f"{row.snapshot_version:,}",
+            f"{row.tail_events:,}",
+            f"{row.cold_ms:.2f}",
+            f"{row.cold_ratio:.2f}",
+            f"{row.warm_ms:.3f}",
+            f"{row.warm_ratio:.2f}",
+            f"{row.replay_ms:.1f}",
+        )
+    _stdout().print(table)
+
+
 def main() -> None:
     """Console-script entry point (``secondbox-scheduler``)."""
     cli()

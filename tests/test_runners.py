@@ -257,3 +257,19 @@ def test_commands_on_unknown_runners_are_refused(app: SchedulerApplication) -> N
         app.change_allocatable("nobody", capacity())
     with pytest.raises(InvalidRequestError):
         app.start_drain("")
+
+
+def test_a_heartbeat_as_old_as_the_last_still_records_new_evidence(
+    app: SchedulerApplication, clock: Clock
+) -> None:
+    register(app, "r1", at=clock())
+    before = app.event_count()
+    same_evidence = app.record_heartbeat(
+        runner_id="r1", at=clock(), artifact_digests=[RUNTIME], materializations=[materialization()]
+    )
+    assert same_evidence == OBSERVED_COALESCED
+    assert app.event_count() == before
+    assert app.record_heartbeat(runner_id="r1", at=clock(), artifact_digests=["x"]) == (
+        OBSERVED_EVIDENCE
+    )
+    assert app.get_runner("r1").artifact_digests == ("x",)
