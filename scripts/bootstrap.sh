@@ -11,4 +11,5 @@ fi
 if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[test]" \
+  2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
