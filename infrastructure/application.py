@@ -48,7 +48,13 @@ from domain.values import (
     require_text,
 )
 from infrastructure.event_log import count_events
-from infrastructure.settings import DATABASE_URL, LEASE_RENEWAL_SECONDS, settings_from_url
+from infrastructure.settings import (
+    DATABASE_URL,
+    LEASE_RENEWAL_SECONDS,
+    READ_MODELS,
+    settings_from_url,
+)
+from projections.read_models import ReadModels, supports_read_models
 from projections.runner_index import RunnerIndex
 
 T = TypeVar("T")
@@ -118,6 +124,10 @@ class SchedulerApplication(Application[UUID]):
         )
         self.metrics = SchedulerMetrics()
         self.runner_index = RunnerIndex(self.recorder, self.mapper)
+        self.read_models: ReadModels | None = None
+        if supports_read_models(self) and self.env.get(READ_MODELS, "on") != "off":
+            self.read_models = ReadModels(self)
+        self.catch_up_inline = self.env.get(READ_MODELS, "on") != "external"
 
     def construct_env(self, name: str, env: EnvType | None = None) -> Any:
         environment = super().construct_env(name, env)
@@ -174,8 +184,8 @@ class SchedulerApplication(Application[UUID]):
             raise RunnerNotFoundError(runner_id)
         return lease
 
-    def _sandbox(self, sandbox_id: str) -> Sandbox:
-        sandbox = self._load(sandbox_uuid(sandbox_id), Sandbox)
+    def _sandbox(self, sandbox_id: str, *, copy: bool = True) -> Sandbox:
+        sandbox = self._load(sandbox_uuid(sandbox_id), Sandbox, copy=copy)
         if sandbox is None:
             raise SandboxNotFoundError(sandbox_id)
         return sandbox
@@ -341,7 +351,7 @@ class SchedulerApplication(Application[UUID]):
                 workspace_id=workspace_id,
                 profile_revision_id=profile_revision_id,
                 requirements=wanted,
-                runners=self.runner_snapshots(wanted.pool_name),
+                runners=self._candidates(wanted),
                 now=now,
                 heartbeat_timeout=heartbeat_timeout,
             )
@@ -360,6 +370,17 @@ class SchedulerApplication(Application[UUID]):
                 f"sandbox {sandbox_id!r} already exists with another workspace or profile revision"
             )
         return existing.home_runner_id
+
+    def _candidates(self, requirements: Requirements) -> list[RunnerSnapshot]:
+        """Runners of the pool and architecture: from the read model's index when present.
+
+        A lagging read model can only make the home choice worse, never unsafe:
+        ``schedule`` decides against the aggregates.
+        """
+        read_models = self.current_read_models()
+        if read_models is not None:
+            return read_models.runners.snapshots(requirements.pool_name, requirements.architecture)
+        return self.fold_runner_snapshots(requirements.pool_name)
 
     def schedule(self, request: ScheduleRequest) -> tuple[DurableAssignment, bool]:
         """Serialize one sandbox generation and reserve capacity on its home runner.
@@ -496,27 +517,63 @@ class SchedulerApplication(Application[UUID]):
 
     def assignments(self, sandbox_id: str) -> list[DurableAssignment]:
         """Every generation's assignment of one sandbox, oldest first."""
-        sandbox = self._sandbox(sandbox_id)
-        return [
-            to_durable_assignment(sandbox.assignments[key])
-            for key in sorted(sandbox.assignments, key=int)
-        ]
+        require_text("sandbox_id", sandbox_id)
+        read_models = self.current_read_models()
+        if read_models is not None:
+            found = read_models.assignments.by_sandbox(sandbox_id)
+            if not found and self._load(sandbox_uuid(sandbox_id), Sandbox, copy=False) is None:
+                raise SandboxNotFoundError(sandbox_id)
+            return found
+        return self.fold_assignments(sandbox_id)
 
     def runner_assignments(self, runner_id: str) -> list[DurableAssignment]:
         """The assignments that hold a reservation on one runner."""
-        runner = self._runner(runner_id)
-        found = []
-        for held in runner.reservations.values():
-            assignment = self.get_assignment(held["sandbox_id"], held["generation"])
-            if assignment is not None:
-                found.append(assignment)
-        return sorted(found, key=lambda a: (a.sandbox_id, a.generation))
+        require_text("runner_id", runner_id)
+        read_models = self.current_read_models()
+        if read_models is not None:
+            self.get_runner(runner_id)  # refuses unknown and deregistered runners
+            return read_models.assignments.by_runner(runner_id)
+        return self.fold_runner_assignments(runner_id)
 
     def sandbox_home(self, sandbox_id: str) -> str:
-        return self._sandbox(sandbox_id).home_runner_id
+        return self._sandbox(sandbox_id, copy=False).home_runner_id
 
     def runner_snapshots(self, pool_name: str | None = None) -> list[RunnerSnapshot]:
-        """Every registered runner (of one pool), sorted by id."""
+        """Every registered runner (of one pool), sorted by id, from the read model."""
+        read_models = self.current_read_models()
+        if read_models is not None:
+            return read_models.runners.snapshots(pool_name)
+        return self.fold_runner_snapshots(pool_name)
+
+    def get_runner(self, runner_id: str) -> RunnerSnapshot:
+        require_text("runner_id", runner_id)
+        read_models = self.current_read_models()
+        if read_models is None:
+            return self.fold_runner(runner_id)
+        snapshot = read_models.runners.snapshot(runner_id)
+        if snapshot is None:
+            raise RunnerNotFoundError(runner_id)
+        return snapshot
+
+    # -- read models ----------------------------------------------------------
+
+    def current_read_models(self) -> ReadModels | None:
+        """The read models, caught up first unless another process maintains them."""
+        if self.read_models is not None and self.catch_up_inline:
+            self.read_models.catch_up()
+        return self.read_models
+
+    def wait_for(self, position: int, timeout: float = 5.0) -> None:
+        """Read-your-writes: block until the read models have applied ``position``."""
+        if self.read_models is not None:
+            self.read_models.wait(position, timeout)
+
+    # -- folds of the aggregates (the authority the read models must equal) ----
+
+    def fold_runner(self, runner_id: str) -> RunnerSnapshot:
+        return self._runner(runner_id, copy=False).snapshot(self._lease(runner_id, copy=False))
+
+    def fold_runner_snapshots(self, pool_name: str | None = None) -> list[RunnerSnapshot]:
         snapshots = []
         for runner_id in self.runner_index.runner_ids(pool_name):
             runner = self._load(runner_uuid(runner_id), Runner, copy=False)
@@ -525,9 +582,21 @@ class SchedulerApplication(Application[UUID]):
             snapshots.append(runner.snapshot(self._lease(runner_id, copy=False)))
         return snapshots
 
-    def get_runner(self, runner_id: str) -> RunnerSnapshot:
-        require_text("runner_id", runner_id)
-        return self._runner(runner_id, copy=False).snapshot(self._lease(runner_id, copy=False))
+    def fold_assignments(self, sandbox_id: str) -> list[DurableAssignment]:
+        sandbox = self._sandbox(sandbox_id)
+        return [
+            to_durable_assignment(sandbox.assignments[key])
+            for key in sorted(sandbox.assignments, key=int)
+        ]
+
+    def fold_runner_assignments(self, runner_id: str) -> list[DurableAssignment]:
+        runner = self._runner(runner_id)
+        found = []
+        for held in runner.reservations.values():
+            assignment = self.get_assignment(held["sandbox_id"], held["generation"])
+            if assignment is not None:
+                found.append(assignment)
+        return sorted(found, key=lambda a: (a.sandbox_id, a.generation))
 
     def event_count(self) -> int:
         """How many events the store holds (all aggregates of this application)."""

@@ -15,6 +15,9 @@ from domain.errors import InvalidRequestError
 
 DATABASE_URL = "SECONDBOX_DATABASE_URL"
 LEASE_RENEWAL_SECONDS = "SECONDBOX_LEASE_RENEWAL_SECONDS"
+# "on" (default): reads catch the read models up first; "external": another process
+# (``secondbox-scheduler projections run``) maintains them; "off": read the aggregates.
+READ_MODELS = "SECONDBOX_READ_MODELS"
 DEFAULT_SQLITE_URL = "sqlite:///secondbox.db"
 
 SQLITE_MODULE = "eventsourcing.sqlite"

@@ -1,0 +1,190 @@
+"""Assignments projection: one row per (sandbox, generation) with every DurableAssignment field.
+
+Fed by the Sandbox stream. Queries by sandbox, by runner, by state, and the
+reconciler's "due" query: next_reconcile_at at or before a time and no unexpired
+reconcile claim.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import singledispatchmethod
+from typing import Any
+
+from eventsourcing.persistence import Tracking
+from eventsourcing.projection import Projection
+
+from domain.assignment import STATE_RELEASED
+from domain.sandbox import Sandbox
+from domain.values import Capacity, DurableAssignment
+from projections.sql_view import (
+    Change,
+    PostgresSqlView,
+    SQLiteSqlView,
+    SqlView,
+    text_time,
+    time_text,
+    to_json,
+)
+
+TIME_FIELDS = (
+    "operation_deadline",
+    "claim_expires_at",
+    "reconcile_claim_expires_at",
+    "next_reconcile_at",
+    "created_at",
+    "updated_at",
+)
+JSON_FIELDS = ("capability_snapshot", "resolved_artifacts", "release_proof", "capacity",
+               "assignment_command")  # fmt: skip
+COLUMNS = (
+    "sandbox_id", "generation", "sandbox_stream", "id", "instance_id", "runner_id",
+    "profile_revision_id", "backend_kind", "backend_reference", "fencing_token", "state",
+    "capability_snapshot", "resolved_artifacts", "release_proof", "failure_class",
+    "retry_count", "retry_limit", "operation_deadline", "claim_expires_at", "reconcile_owner",
+    "reconcile_claim_expires_at", "next_reconcile_at", "revision", "created_at", "updated_at",
+    "egress_context", "capacity", "workspace_id", "assignment_command_id",
+    "assignment_command", "start_mutation_id",
+)  # fmt: skip
+_INTEGER = {"generation", "retry_count", "retry_limit", "revision"}
+
+
+class AssignmentsView(SqlView):
+    projection_name = "assignments"
+    table = "assignments"
+    ddl = (
+        "CREATE TABLE IF NOT EXISTS {table} ("
+        + ", ".join(f"{c} {'BIGINT' if c in _INTEGER else 'TEXT'}" for c in COLUMNS)
+        + ", PRIMARY KEY (sandbox_id, generation))",
+        "CREATE UNIQUE INDEX IF NOT EXISTS assignments_stream ON {table} "
+        "(sandbox_stream, generation)",
+        "CREATE INDEX IF NOT EXISTS assignments_runner ON {table} (runner_id)",
+        "CREATE INDEX IF NOT EXISTS assignments_state ON {table} (state)",
+        "CREATE INDEX IF NOT EXISTS assignments_due ON {table} (next_reconcile_at)",
+    )
+
+    def _select(self, where: str, params: list[Any]) -> list[DurableAssignment]:
+        rows = self.query(
+            f"SELECT * FROM {{table}} WHERE {where} ORDER BY sandbox_id, generation", params
+        )
+        return [row_to_assignment(row) for row in rows]
+
+    def get(self, sandbox_id: str, generation: int) -> DurableAssignment | None:
+        found = self._select("sandbox_id = %s AND generation = %s", [sandbox_id, generation])
+        return found[0] if found else None
+
+    def by_sandbox(self, sandbox_id: str) -> list[DurableAssignment]:
+        return self._select("sandbox_id = %s", [sandbox_id])
+
+    def by_runner(self, runner_id: str, *, holding: bool = True) -> list[DurableAssignment]:
+        """Assignments fenced on ``runner_id``; by default only those holding capacity."""
+        if holding:
+            return self._select("runner_id = %s AND state <> %s", [runner_id, STATE_RELEASED])
+        return self._select("runner_id = %s", [runner_id])
+
+    def by_state(self, state: str) -> list[DurableAssignment]:
+        return self._select("state = %s", [state])
+
+    def due_for_reconcile(self, at: datetime, limit: int = 100) -> list[DurableAssignment]:
+        """Unreleased assignments whose next_reconcile_at has come and that no one holds."""
+        moment = time_text(at)
+        return self._select(
+            "state <> %s AND next_reconcile_at <= %s AND (reconcile_claim_expires_at IS NULL "
+            f"OR reconcile_claim_expires_at <= %s) LIMIT {int(limit)}",
+            [STATE_RELEASED, moment, moment],
+        )
+
+    def rows(self) -> list[dict[str, Any]]:
+        return self.query("SELECT * FROM {table} ORDER BY sandbox_id, generation")
+
+
+class SQLiteAssignmentsView(AssignmentsView, SQLiteSqlView):
+    pass
+
+
+class PostgresAssignmentsView(AssignmentsView, PostgresSqlView):
+    pass
+
+
+def row_to_assignment(row: dict[str, Any]) -> DurableAssignment:
+    fields = {name: row[name] for name in COLUMNS if name != "sandbox_stream"}
+    for name in TIME_FIELDS:
+        fields[name] = text_time(row[name])
+    for name in JSON_FIELDS:
+        fields[name] = None if row[name] is None else json.loads(row[name])
+    fields["capacity"] = Capacity.of(fields["capacity"])
+    fields["fencing_token"] = bytes.fromhex(row["fencing_token"])
+    return DurableAssignment.model_construct(**fields)
+
+
+def _update(event: Any, assignments: str, *params: Any) -> Change:
+    return Change(
+        f"UPDATE {{table}} SET {assignments}, revision = revision + 1, updated_at = %s "
+        "WHERE sandbox_stream = %s AND generation = %s",
+        (*params, time_text(event.timestamp), event.originator_id.hex, event.generation),
+    )
+
+
+class AssignmentsProjection(Projection[AssignmentsView]):
+    """Folds Sandbox events into assignment rows."""
+
+    name = "assignments"
+
+    @singledispatchmethod
+    def changes(self, event: Any) -> list[Change]:
+        return []  # events of other aggregates: only the position moves
+
+    @changes.register
+    def _(self, event: Sandbox.AssignmentFenced) -> list[Change]:
+        record = dict(event.assignment)
+        values: dict[str, Any] = {**record, "sandbox_stream": event.originator_id.hex}
+        for name in TIME_FIELDS:
+            values[name] = time_text(record[name])
+        for name in JSON_FIELDS:
+            values[name] = None if record[name] is None else to_json(record[name])
+        placeholders = ", ".join("%s" for _ in COLUMNS)
+        return [
+            Change(
+                f"INSERT INTO {{table}} ({', '.join(COLUMNS)}) VALUES ({placeholders})",
+                tuple(values[name] for name in COLUMNS),
+            )
+        ]
+
+    @changes.register
+    def _(self, event: Sandbox.AssignmentRunning) -> list[Change]:
+        return [_update(event, "state = %s", "running")]
+
+    @changes.register
+    def _(self, event: Sandbox.AssignmentReleased) -> list[Change]:
+        return [
+            _update(
+                event, "state = %s, release_proof = %s", STATE_RELEASED,
+                to_json(dict(event.release_proof)),
+            )
+        ]  # fmt: skip
+
+    @changes.register
+    def _(self, event: Sandbox.AssignmentFailed) -> list[Change]:
+        return [
+            _update(
+                event, "state = %s, failure_class = %s, retry_count = %s", event.state,
+                event.failure_class, event.retry_count,
+            )
+        ]  # fmt: skip
+
+    @changes.register
+    def _(self, event: Sandbox.ReconcileClaimed) -> list[Change]:
+        return [
+            _update(
+                event, "reconcile_owner = %s, reconcile_claim_expires_at = %s", event.owner,
+                time_text(event.until),
+            )
+        ]  # fmt: skip
+
+    @changes.register
+    def _(self, event: Sandbox.ReconcileClaimReleased) -> list[Change]:
+        return [_update(event, "reconcile_owner = %s, reconcile_claim_expires_at = %s", "", None)]
+
+    def process_event(self, domain_event: Any, tracking: Tracking) -> None:
+        self.view.apply(self.changes(domain_event), tracking)

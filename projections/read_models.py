@@ -1,0 +1,270 @@
+"""The scheduler's read models: construction, catch-up, rebuild and status.
+
+Both projections keep their rows and their tracking position in the application's own
+database. ``catch_up`` reads the notification log after each view's position in pages
+and applies each page in one transaction with the page's last position (exactly once:
+a replica that loses the race for a page rolls back and reads the new position).
+``projections run`` follows the log live with eventsourcing's ``ProjectionRunner``
+instead (:func:`projection_runners`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from eventsourcing.application import Application
+from eventsourcing.persistence import IntegrityError, Notification, Tracking
+from eventsourcing.postgres import PostgresApplicationRecorder
+from eventsourcing.projection import Projection, ProjectionRunner
+from eventsourcing.sqlite import SQLiteApplicationRecorder
+
+from projections.assignments import (
+    AssignmentsProjection,
+    AssignmentsView,
+    PostgresAssignmentsView,
+    SQLiteAssignmentsView,
+)
+from projections.runner_snapshots import (
+    PostgresRunnerSnapshotsView,
+    RunnerSnapshotsProjection,
+    RunnerSnapshotsView,
+    SQLiteRunnerSnapshotsView,
+)
+from projections.sql_view import Change, SqlView
+
+PAGE = 1000
+
+PROJECTIONS: dict[str, type[Projection[Any]]] = {
+    "runner_snapshots": RunnerSnapshotsProjection,
+    "assignments": AssignmentsProjection,
+}
+VIEWS: dict[str, dict[str, type[SqlView]]] = {
+    "eventsourcing.sqlite": {
+        "runner_snapshots": SQLiteRunnerSnapshotsView,
+        "assignments": SQLiteAssignmentsView,
+    },
+    "eventsourcing.postgres": {
+        "runner_snapshots": PostgresRunnerSnapshotsView,
+        "assignments": PostgresAssignmentsView,
+    },
+}
+
+
+def supports_read_models(app: Application[Any]) -> bool:
+    """Read models live beside the events: SQLite and PostgreSQL, not the in-memory store."""
+    return isinstance(app.recorder, (SQLiteApplicationRecorder, PostgresApplicationRecorder))
+
+
+@dataclass(frozen=True)
+class ProjectionStatus:
+    name: str
+    position: int
+    head: int
+    lag_events: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "position": self.position,
+            "head": self.head,
+            "lag_events": self.lag_events,
+        }
+
+
+class ReadModels:
+    """The runner snapshots and assignments views of one application's store."""
+
+    def __init__(self, app: Application[Any]) -> None:
+        if not supports_read_models(app):
+            raise TypeError("read models need the SQLite or PostgreSQL store")
+        self.app = app
+        module = (
+            "eventsourcing.postgres"
+            if isinstance(app.recorder, PostgresApplicationRecorder)
+            else "eventsourcing.sqlite"
+        )
+        datastore = app.recorder.datastore  # type: ignore[attr-defined]
+        self.views: dict[str, SqlView] = {}
+        self.projections: dict[str, Projection[Any]] = {}
+        for name, view_class in VIEWS[module].items():
+            view = view_class(datastore)  # type: ignore[call-arg]
+            view.create_table()  # type: ignore[attr-defined]  # from the concrete recorder
+            self.views[name] = view
+            self.projections[name] = PROJECTIONS[name](view)
+        self._lock = threading.Lock()
+
+    @property
+    def runners(self) -> RunnerSnapshotsView:
+        view = self.views["runner_snapshots"]
+        assert isinstance(view, RunnerSnapshotsView)
+        return view
+
+    @property
+    def assignments(self) -> AssignmentsView:
+        view = self.views["assignments"]
+        assert isinstance(view, AssignmentsView)
+        return view
+
+    def position(self, name: str) -> int:
+        return self.views[name].max_tracking_id(self.app.name) or 0
+
+    def _pages(self, after: int, until: int | None) -> Iterator[list[Notification]]:
+        while True:
+            page = self.app.recorder.select_notifications(
+                start=after, limit=PAGE, stop=until, inclusive_of_start=False
+            )
+            if not page:
+                return
+            yield list(page)
+            after = page[-1].id
+            if len(page) < PAGE:
+                return
+
+    def catch_up(
+        self,
+        until: int | None = None,
+        progress: Callable[[int], None] = lambda _: None,
+    ) -> int:
+        """Apply every notification after each view's position (up to ``until``).
+
+        One pass over the log: each page is read and decoded once, then applied to
+        each view that has not seen it, in one transaction per view with the page's
+        last position. Returns how many notifications were read.
+        """
+        with self._lock:
+            while True:
+                try:
+                    return self._catch_up(until, progress)
+                except IntegrityError:
+                    continue  # another replica applied a page first: read the new positions
+
+    def _catch_up(self, until: int | None, progress: Callable[[int], None]) -> int:
+        positions = {name: self.position(name) for name in self.views}
+        read = 0
+        mapper = self.app.mapper
+        for page in self._pages(min(positions.values()), until):
+            events = [(n.id, mapper.to_domain_event(n)) for n in page]
+            for name, projection in self.projections.items():
+                fresh = [event for position, event in events if position > positions[name]]
+                if not fresh:
+                    continue
+                changes_of = projection.changes  # type: ignore[attr-defined]
+                changes: list[Change] = []
+                for event in fresh:
+                    changes.extend(changes_of(event))
+                self.views[name].apply(changes, Tracking(self.app.name, page[-1].id))
+                positions[name] = page[-1].id
+            read += len(page)
+            progress(len(page))
+        return read
+
+    def wait(self, position: int, timeout: float = 5.0) -> None:
+        """Block until every view has applied ``position`` (read-your-writes)."""
+        for view in self.views.values():
+            view.wait(self.app.name, position, timeout=timeout)
+
+    def status(self) -> list[ProjectionStatus]:
+        from infrastructure.event_log import count_events_after
+
+        head = self.app.recorder.max_notification_id() or 0
+        statuses = []
+        for name in self.views:
+            position = self.position(name)
+            statuses.append(
+                ProjectionStatus(
+                    name, position, head, count_events_after(self.app.recorder, position)
+                )
+            )
+        return statuses
+
+    def clear(self) -> None:
+        """Forget every row and position (a rebuild then starts from zero)."""
+        with self._lock:
+            for view in self.views.values():
+                view.clear(self.app.name)
+
+
+def projection_runners(
+    application_class: type[Application[Any]], env: dict[str, str]
+) -> list[ProjectionRunner[Any, Any]]:
+    """eventsourcing ProjectionRunners that follow the log live, one per projection."""
+    module = env.get("PERSISTENCE_MODULE", "")
+    if module not in VIEWS:
+        raise ValueError(f"projections need SQLite or PostgreSQL, not {module or 'memory'}")
+    return [
+        ProjectionRunner(
+            application_class=application_class,
+            projection_class=PROJECTIONS[name],
+            view_class=view_class,
+            env=env,
+        )
+        for name, view_class in VIEWS[module].items()
+    ]
+
+
+def timed(operation: Callable[[], int]) -> tuple[int, float]:
+    started = time.perf_counter()
+    count = operation()
+    return count, time.perf_counter() - started
+
+
+@dataclass(frozen=True)
+class RebuildReport:
+    """A rebuild from zero, beside the raw rate of reading the same notifications."""
+
+    events: int
+    seconds: float
+    raw_read_seconds: float
+
+    @property
+    def events_per_second(self) -> float:
+        return self.events / self.seconds if self.seconds else 0.0
+
+    @property
+    def raw_events_per_second(self) -> float:
+        return self.events / self.raw_read_seconds if self.raw_read_seconds else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "events": self.events,
+            "seconds": round(self.seconds, 3),
+            "events_per_second": round(self.events_per_second, 1),
+            "raw_read_seconds": round(self.raw_read_seconds, 3),
+            "raw_read_events_per_second": round(self.raw_events_per_second, 1),
+            "ratio_to_raw_read": (
+                round(self.events_per_second / self.raw_events_per_second, 3)
+                if self.raw_events_per_second
+                else None
+            ),
+        }
+
+
+def read_raw(app: Application[Any], progress: Callable[[int], None] = lambda _: None) -> int:
+    """Read every notification with the recorder alone, in the pages a rebuild uses."""
+    read = 0
+    after = 0
+    while True:
+        page = app.recorder.select_notifications(start=after, limit=PAGE, inclusive_of_start=False)
+        if not page:
+            return read
+        read += len(page)
+        progress(len(page))
+        after = page[-1].id
+        if len(page) < PAGE:
+            return read
+
+
+def rebuild(
+    read_models: ReadModels,
+    progress: Callable[[int], None] = lambda _: None,
+    raw_progress: Callable[[int], None] = lambda _: None,
+) -> RebuildReport:
+    """Forget the read models and apply the whole log again; time the raw read too."""
+    _, raw_seconds = timed(lambda: read_raw(read_models.app, raw_progress))
+    read_models.clear()
+    events, seconds = timed(lambda: read_models.catch_up(progress=progress))
+    return RebuildReport(events=events, seconds=seconds, raw_read_seconds=raw_seconds)

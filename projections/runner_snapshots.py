@@ -1,0 +1,217 @@
+"""Runner snapshots projection: one row per runner with every RunnerSnapshot field.
+
+Fed by the Runner stream (registration, reservations, drain, allocatable,
+deregistration) and the RunnerLease stream (heartbeats and evidence). Indexed by
+(pool_name, architecture), which is how ``create_sandbox`` asks for candidates.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import singledispatchmethod
+from typing import Any
+
+from eventsourcing.persistence import Tracking
+from eventsourcing.projection import Projection
+
+from domain.ids import lease_uuid
+from domain.lease import RunnerLease
+from domain.runner import Runner
+from domain.values import Capacity, MaterializationSnapshot, RunnerSnapshot
+from projections.sql_view import (
+    Change,
+    PostgresSqlView,
+    SQLiteSqlView,
+    SqlView,
+    text_time,
+    time_text,
+    to_json,
+)
+
+DIMENSIONS = Capacity.DIMENSIONS
+ALLOCATABLE = [f"allocatable_{dim}" for dim in DIMENSIONS]
+RESERVED = [f"reserved_{dim}" for dim in DIMENSIONS]
+
+
+class RunnerSnapshotsView(SqlView):
+    projection_name = "runner_snapshots"
+    table = "runner_snapshots"
+    ddl = (
+        "CREATE TABLE IF NOT EXISTS {table} ("
+        "runner_id TEXT PRIMARY KEY, stream_id TEXT NOT NULL UNIQUE, "
+        "lease_id TEXT NOT NULL UNIQUE, pool_name TEXT NOT NULL, "
+        "backend_kind TEXT NOT NULL, architecture TEXT NOT NULL, capabilities TEXT NOT NULL, "
+        + "".join(f"{column} BIGINT NOT NULL, " for column in ALLOCATABLE + RESERVED)
+        + "drain_phase TEXT NOT NULL, last_heartbeat_at TEXT, artifact_digests TEXT NOT NULL, "
+        "materializations TEXT NOT NULL, supported_egress_contexts TEXT NOT NULL, "
+        "guest_protocol_minimum BIGINT NOT NULL, guest_protocol_maximum BIGINT NOT NULL, "
+        "deregistered INTEGER NOT NULL, version BIGINT NOT NULL, lease_version BIGINT NOT NULL)",
+        "CREATE INDEX IF NOT EXISTS runner_snapshots_pool_arch "
+        "ON {table} (pool_name, architecture)",
+    )
+
+    def snapshots(
+        self, pool_name: str | None = None, architecture: str | None = None
+    ) -> list[RunnerSnapshot]:
+        """Registered runners (of a pool, of an architecture), sorted by id."""
+        where, params = ["deregistered = 0"], []
+        if pool_name is not None:
+            where.append("pool_name = %s")
+            params.append(pool_name)
+        if architecture is not None:
+            where.append("architecture = %s")
+            params.append(architecture)
+        rows = self.query(
+            f"SELECT * FROM {{table}} WHERE {' AND '.join(where)} ORDER BY runner_id", params
+        )
+        return [row_to_snapshot(row) for row in rows]
+
+    def snapshot(self, runner_id: str) -> RunnerSnapshot | None:
+        rows = self.query(
+            "SELECT * FROM {table} WHERE runner_id = %s AND deregistered = 0", [runner_id]
+        )
+        return row_to_snapshot(rows[0]) if rows else None
+
+    def rows(self) -> list[dict[str, Any]]:
+        return self.query("SELECT * FROM {table} ORDER BY runner_id")
+
+
+class SQLiteRunnerSnapshotsView(RunnerSnapshotsView, SQLiteSqlView):
+    pass
+
+
+class PostgresRunnerSnapshotsView(RunnerSnapshotsView, PostgresSqlView):
+    pass
+
+
+def row_to_snapshot(row: dict[str, Any]) -> RunnerSnapshot:
+    return RunnerSnapshot.model_construct(
+        id=row["runner_id"],
+        pool_name=row["pool_name"],
+        backend_kind=row["backend_kind"],
+        architecture=row["architecture"],
+        capabilities=frozenset(json.loads(row["capabilities"])),
+        allocatable=Capacity.of({dim: row[f"allocatable_{dim}"] for dim in DIMENSIONS}),
+        reserved=Capacity.of({dim: row[f"reserved_{dim}"] for dim in DIMENSIONS}),
+        drain_phase=row["drain_phase"],
+        last_heartbeat_at=text_time(row["last_heartbeat_at"]),
+        artifact_digests=tuple(json.loads(row["artifact_digests"])),
+        materializations=tuple(
+            MaterializationSnapshot.model_construct(**item)
+            for item in json.loads(row["materializations"])
+        ),
+        supported_egress_contexts=tuple(json.loads(row["supported_egress_contexts"])),
+        guest_protocol_minimum=row["guest_protocol_minimum"],
+        guest_protocol_maximum=row["guest_protocol_maximum"],
+    )
+
+
+def _runner_update(event: Any, assignments: str, *params: Any) -> Change:
+    return Change(
+        f"UPDATE {{table}} SET {assignments}, version = %s WHERE stream_id = %s",
+        (*params, event.originator_version, event.originator_id.hex),
+    )
+
+
+def _lease_update(event: Any, assignments: str, *params: Any) -> Change:
+    return Change(
+        f"UPDATE {{table}} SET {assignments}, lease_version = %s WHERE lease_id = %s",
+        (*params, event.originator_version, event.originator_id.hex),
+    )
+
+
+class RunnerSnapshotsProjection(Projection[RunnerSnapshotsView]):
+    """Folds Runner and RunnerLease events into runner snapshot rows."""
+
+    name = "runner_snapshots"
+
+    @singledispatchmethod
+    def changes(self, event: Any) -> list[Change]:
+        return []  # events of other aggregates: only the position moves
+
+    @changes.register
+    def _(self, event: Runner.Registered) -> list[Change]:
+        columns = [
+            "runner_id", "stream_id", "lease_id", "pool_name", "backend_kind", "architecture",
+            "capabilities", *ALLOCATABLE, *RESERVED, "drain_phase", "last_heartbeat_at",
+            "artifact_digests", "materializations", "supported_egress_contexts",
+            "guest_protocol_minimum", "guest_protocol_maximum", "deregistered", "version",
+            "lease_version",
+        ]  # fmt: skip
+        values = [
+            event.runner_id,
+            event.originator_id.hex,
+            lease_uuid(event.runner_id).hex,
+            event.pool_name,
+            event.backend_kind,
+            event.architecture,
+            to_json(sorted(event.capabilities)),
+            *(event.allocatable[dim] for dim in DIMENSIONS),
+            *(0 for _ in DIMENSIONS),
+            "active",
+            None,
+            "[]",
+            "[]",
+            to_json(sorted(event.supported_egress_contexts)),
+            event.guest_protocol_minimum,
+            event.guest_protocol_maximum,
+            0,
+            event.originator_version,
+            0,
+        ]
+        placeholders = ", ".join("%s" for _ in columns)
+        return [
+            Change(
+                f"INSERT INTO {{table}} ({', '.join(columns)}) VALUES ({placeholders})",
+                tuple(values),
+            )
+        ]
+
+    @changes.register
+    def _(self, event: Runner.CapacityReserved) -> list[Change]:
+        return [_capacity_delta(event, event.capacity, +1)]
+
+    @changes.register
+    def _(self, event: Runner.CapacityReleased) -> list[Change]:
+        return [_capacity_delta(event, event.capacity, -1)]
+
+    @changes.register
+    def _(self, event: Runner.DrainStarted) -> list[Change]:
+        return [_runner_update(event, "drain_phase = %s", "draining")]
+
+    @changes.register
+    def _(self, event: Runner.DrainCancelled) -> list[Change]:
+        return [_runner_update(event, "drain_phase = %s", "active")]
+
+    @changes.register
+    def _(self, event: Runner.AllocatableChanged) -> list[Change]:
+        assignments = ", ".join(f"{column} = %s" for column in ALLOCATABLE)
+        return [_runner_update(event, assignments, *(event.allocatable[dim] for dim in DIMENSIONS))]
+
+    @changes.register
+    def _(self, event: Runner.Deregistered) -> list[Change]:
+        return [_runner_update(event, "deregistered = %s", 1)]
+
+    @changes.register
+    def _(self, event: RunnerLease.LivenessRenewed) -> list[Change]:
+        return [_lease_update(event, "last_heartbeat_at = %s", time_text(event.at))]
+
+    @changes.register
+    def _(self, event: RunnerLease.EvidenceRecorded) -> list[Change]:
+        return [
+            _lease_update(
+                event,
+                "last_heartbeat_at = %s, artifact_digests = %s, materializations = %s",
+                time_text(event.at),
+                to_json(list(event.artifact_digests)),
+                to_json([dict(item) for item in event.materializations]),
+            )
+        ]
+
+    def process_event(self, domain_event: Any, tracking: Tracking) -> None:
+        self.view.apply(self.changes(domain_event), tracking)
+
+
+def _capacity_delta(event: Any, capacity: dict[str, int], sign: int) -> Change:
+    assignments = ", ".join(f"{column} = {column} + %s" for column in RESERVED)
+    return _runner_update(event, assignments, *(sign * capacity[dim] for dim in DIMENSIONS))

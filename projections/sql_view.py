@@ -1,0 +1,157 @@
+"""Materialized views in SQL tables beside the events, on SQLite and PostgreSQL.
+
+A view is an eventsourcing ``TrackingRecorder``: every batch of row changes commits in
+one transaction together with the tracking position of the last notification it
+covers, so each notification is applied exactly once, across crashes and restarts
+(the position only moves with the rows, and a second writer of the same position
+fails on the tracking row and rolls back).
+
+The SQL is written once with ``%s`` placeholders and ``{table}`` names; the SQLite
+flavour turns ``%s`` into ``?``. Times are stored as fixed-width ISO text (UTC,
+microseconds), which sorts and compares correctly as text on both databases.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, ClassVar
+
+from eventsourcing.persistence import Tracking, TrackingRecorder
+from eventsourcing.postgres import PostgresDatastore, PostgresTrackingRecorder
+from eventsourcing.sqlite import SQLiteDatastore, SQLiteTrackingRecorder
+from psycopg.sql import SQL, Composable, Composed, Identifier
+
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
+
+
+def time_text(value: datetime | None) -> str | None:
+    return None if value is None else value.astimezone(UTC).strftime(TIME_FORMAT)
+
+
+def text_time(value: str | None) -> datetime | None:
+    if value is None:
+        return None
+    return datetime.strptime(value, TIME_FORMAT).replace(tzinfo=UTC)
+
+
+def to_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class Change:
+    """One SQL statement of a view change: ``{table}`` is the view's main table."""
+
+    sql: str
+    params: tuple[Any, ...] = ()
+
+
+class SqlView(TrackingRecorder):
+    """Shared logic of the views: table DDL, batched changes with tracking, queries."""
+
+    projection_name: ClassVar[str]
+    table: ClassVar[str]
+    ddl: ClassVar[tuple[str, ...]]  # CREATE statements, with {table}
+
+    def _name(self, table: str) -> str:
+        raise NotImplementedError
+
+    def _sql(self, sql: str) -> Any:
+        raise NotImplementedError
+
+    def _format(self, sql: str) -> str:
+        return sql.format(table=self._name(self.table))
+
+    def apply(self, changes: Sequence[Change], tracking: Tracking) -> None:
+        """Apply ``changes`` and record ``tracking`` in one transaction."""
+        with self.datastore.transaction(commit=True) as cursor:  # type: ignore[attr-defined]
+            for change in changes:
+                cursor.execute(self._sql(self._format(change.sql)), change.params)
+            self._insert_tracking(cursor, tracking)  # type: ignore[attr-defined]
+
+    def query(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+        with self.datastore.transaction(commit=False) as cursor:  # type: ignore[attr-defined]
+            cursor.execute(self._sql(self._format(sql)), tuple(params))
+            return [dict(row) for row in cursor.fetchall()]
+
+    def clear(self, application_name: str) -> None:
+        """Delete every row and the tracking position (before a rebuild)."""
+        with self.datastore.transaction(commit=True) as cursor:  # type: ignore[attr-defined]
+            cursor.execute(self._sql(self._format("DELETE FROM {table}")), ())
+            cursor.execute(
+                self._sql(f"DELETE FROM {self._tracking_name()} WHERE application_name = %s"),
+                (application_name,),
+            )
+
+    def _tracking_name(self) -> str:
+        raise NotImplementedError
+
+
+class SQLiteSqlView(SqlView, SQLiteTrackingRecorder):
+    """SQLite flavour: a tracking table of the view's own (not the shared ``tracking``)."""
+
+    def __init__(self, datastore: SQLiteDatastore, **kwargs: Any) -> None:
+        super().__init__(datastore, **kwargs)
+        tracking = self._tracking_name()
+        self.insert_tracking_statement = (
+            f"INSERT INTO {tracking} "
+            "VALUES (:application_name, :notification_id) "
+            "ON CONFLICT (application_name) DO UPDATE "
+            "SET notification_id = :notification_id "
+            f"WHERE {tracking}.notification_id < :notification_id "
+            "RETURNING notification_id"
+        )
+        self.select_max_tracking_id_statement = (
+            f"SELECT MAX(notification_id) FROM {tracking} WHERE application_name=?"
+        )
+
+    def construct_create_table_statements(self) -> list[str]:
+        return [
+            f"CREATE TABLE IF NOT EXISTS {self._tracking_name()} ("
+            "application_name TEXT, notification_id INTEGER, "
+            "PRIMARY KEY (application_name)) WITHOUT ROWID",
+            *(self._format(statement) for statement in self.ddl),
+        ]
+
+    def _name(self, table: str) -> str:
+        return table
+
+    def _tracking_name(self) -> str:
+        return f"{self.projection_name}_tracking"
+
+    def _sql(self, sql: str) -> str:
+        return sql.replace("%s", "?")
+
+
+class PostgresSqlView(SqlView, PostgresTrackingRecorder):
+    """PostgreSQL flavour: tables in the application's schema."""
+
+    def __init__(self, datastore: PostgresDatastore, **kwargs: Any) -> None:
+        kwargs.setdefault("tracking_table_name", f"{self.projection_name}_tracking")
+        super().__init__(datastore, **kwargs)
+        for statement in self.ddl:
+            self.sql_create_statements.append(Composed([SQL(self._format(statement))]))
+
+    def _name(self, table: str) -> str:
+        return f'"{self.datastore.schema}"."{table}"'
+
+    def _tracking_name(self) -> str:
+        return self._name(self.tracking_table_name)
+
+    def _sql(self, sql: str) -> Composable:
+        return SQL(sql)
+
+
+__all__ = [
+    "Change",
+    "Identifier",
+    "PostgresSqlView",
+    "SQLiteSqlView",
+    "SqlView",
+    "text_time",
+    "time_text",
+    "to_json",
+]
