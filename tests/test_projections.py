@@ -1,0 +1,302 @@
+"""Read models: live == rebuilt from zero == fold of the aggregates; exactly once; safety."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from domain import Capacity, HomeRunnerUnavailableError, SchedulerError
+from infrastructure import SchedulerApplication
+from projections.read_models import ReadModels, rebuild
+from tests.conftest import Clock, Store
+from tests.factories import (
+    RUNTIME,
+    capacity,
+    create_sandbox,
+    materialization,
+    register,
+    schedule_request,
+    token,
+)
+from tests.postgres_server import PostgresServer
+
+RUNNERS = ("r1", "r2", "r3")
+SANDBOXES = ("s1", "s2", "s3", "s4")
+
+
+def read_models_of(app: SchedulerApplication) -> ReadModels:
+    assert app.read_models is not None
+    return app.read_models
+
+
+def folded(app: SchedulerApplication) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The aggregates' own view: runner snapshots and every assignment, as records."""
+    runners = [snapshot.to_record() for snapshot in app.fold_runner_snapshots()]
+    assignments = []
+    for sandbox_id in SANDBOXES:
+        try:
+            assignments += [a.model_dump() for a in app.fold_assignments(sandbox_id)]
+        except SchedulerError:
+            continue
+    return runners, assignments
+
+
+def projected(app: SchedulerApplication) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    read_models = read_models_of(app)
+    runners = [snapshot.to_record() for snapshot in read_models.runners.snapshots()]
+    assignments = []
+    for sandbox_id in SANDBOXES:
+        assignments += [a.model_dump() for a in read_models.assignments.by_sandbox(sandbox_id)]
+    return runners, assignments
+
+
+def raw_rows(app: SchedulerApplication) -> dict[str, list[dict[str, Any]]]:
+    read_models = read_models_of(app)
+    return {name: view.rows() for name, view in read_models.views.items()}  # type: ignore[attr-defined]
+
+
+OPERATIONS = st.lists(
+    st.tuples(
+        st.sampled_from(
+            ["heartbeat", "drain", "cancel", "allocatable", "create", "schedule", "running",
+             "release", "fail", "claim", "advance", "deregister", "tick"]
+        ),
+        st.integers(0, 3),
+        st.integers(0, 3),
+    ),
+    max_size=40,
+)  # fmt: skip
+
+
+def run_history(app: SchedulerApplication, clock: Clock, operations: list[Any]) -> None:
+    """Apply a random history; refusals are part of it."""
+    tokens: dict[tuple[str, int], bytes] = {}
+    for index, runner_id in enumerate(RUNNERS):
+        register(app, runner_id, at=clock(), allocatable=capacity(instances=1 + index))
+    for name, a, b in operations:
+        runner_id, sandbox_id = RUNNERS[a % len(RUNNERS)], SANDBOXES[b]
+        try:
+            if name == "heartbeat":
+                app.record_heartbeat(
+                    runner_id=runner_id, at=clock(), artifact_digests=[RUNTIME] * (a % 2 + 1),
+                    materializations=[materialization()],
+                )  # fmt: skip
+            elif name == "drain":
+                app.start_drain(runner_id)
+            elif name == "cancel":
+                app.cancel_drain(runner_id)
+            elif name == "allocatable":
+                app.change_allocatable(runner_id, capacity(instances=b + 1))
+            elif name == "create":
+                create_sandbox(app, sandbox_id)
+            elif name == "deregister":
+                app.deregister_runner(runner_id)
+            elif name == "tick":
+                clock.advance(seconds=7 * (a + 1))
+            else:
+                current = app.get_assignment(sandbox_id)
+                generation = current.generation if current else 1
+                if name == "schedule":
+                    fresh = token()
+                    assignment, _ = app.schedule(
+                        schedule_request(sandbox_id, clock(), fencing_token=fresh, retry_limit=1)
+                    )
+                    tokens[(sandbox_id, assignment.generation)] = assignment.fencing_token
+                    continue
+                held = tokens.get((sandbox_id, generation), b"\0" * 32)
+                if name == "running":
+                    app.mark_running(sandbox_id, generation, held)
+                elif name == "release":
+                    app.release(sandbox_id, generation, held, {"proof": str(a)})
+                elif name == "fail":
+                    app.fail(sandbox_id, generation, held, ["transport", "admission"][a % 2])
+                elif name == "claim":
+                    app.claim_reconcile(
+                        sandbox_id, generation, f"owner-{a}", clock() + timedelta(seconds=10)
+                    )
+                elif name == "advance":
+                    app.advance_generation(sandbox_id, generation)
+        except SchedulerError:
+            pass
+
+
+def check_live_rebuilt_folded(app: SchedulerApplication) -> None:
+    live = projected(app)
+    live_rows = raw_rows(app)
+    assert live == folded(app), "live read models equal the fold of the aggregates"
+    report = rebuild(read_models_of(app))
+    assert report.events == app.event_count()
+    assert raw_rows(app) == live_rows, "a rebuild from zero equals the live read models"
+    assert projected(app) == live
+
+
+@contextmanager
+def fresh_store(kind: str, server: PostgresServer | None) -> Iterator[dict[str, str]]:
+    if kind == "sqlite":
+        with tempfile.TemporaryDirectory() as directory:
+            yield {"PERSISTENCE_MODULE": "eventsourcing.sqlite",
+                   "SQLITE_DBNAME": str(Path(directory) / "h.db")}  # fmt: skip
+        return
+    assert server is not None
+    schema = f"h_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server.conninfo(), autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+    try:
+        yield {**server.env(), "POSTGRES_SCHEMA": schema}
+    finally:
+        with psycopg.connect(server.conninfo(), autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(operations=OPERATIONS)
+def test_random_histories_live_equals_rebuilt_equals_fold(
+    kind: str, operations: list[Any], request: pytest.FixtureRequest
+) -> None:
+    server = request.getfixturevalue("postgres_server") if kind == "postgres" else None
+    with fresh_store(kind, server) as env:
+        clock = Clock()
+        app = SchedulerApplication(env=env, now=clock)
+        try:
+            run_history(app, clock, operations)
+            read_models_of(app).catch_up()
+            check_live_rebuilt_folded(app)
+        finally:
+            app.close()
+
+
+def test_a_failure_inside_processing_applies_nothing_twice(store: Store, clock: Clock) -> None:
+    writer = store.open()
+    history = [("create", 0, b) for b in range(4)] + [("schedule", 0, b) for b in range(4)] * 2
+    run_history(writer, clock, history)
+    reader = SchedulerApplication(env={**store.env, "SECONDBOX_READ_MODELS": "external"})
+    store.opened.append(reader)
+    read_models = read_models_of(reader)
+    read_models.clear()
+    projection = read_models.projections["runner_snapshots"]
+    real = projection.changes  # type: ignore[attr-defined]
+    seen = {"count": 0}
+
+    def failing(event: Any) -> Any:
+        seen["count"] += 1
+        if seen["count"] == 7:
+            raise RuntimeError("crash inside processing")
+        return real(event)
+
+    projection.changes = failing  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="crash"):
+        read_models.catch_up()
+    position = read_models.position("runner_snapshots")
+    assert position < writer.head_position(), "the failed page was not recorded"
+    projection.changes = real  # type: ignore[attr-defined]
+    read_models.catch_up()
+    assert projected(reader) == folded(writer)
+
+
+def test_a_stale_projection_never_causes_a_wrong_reservation(store: Store, clock: Clock) -> None:
+    fresh = store.open()
+    register(fresh, "r1", at=clock(), allocatable=capacity(instances=1))
+    stale = SchedulerApplication(env={**store.env, "SECONDBOX_READ_MODELS": "external"}, now=clock)
+    store.opened.append(stale)
+    read_models_of(stale).catch_up()  # the read model now says r1 has one free slot
+    create_sandbox(fresh, "s1")
+    fresh.schedule(schedule_request("s1", clock()))  # takes the slot; stale does not see it
+    assert read_models_of(stale).runners.snapshot("r1").reserved == Capacity()  # type: ignore[union-attr]
+    assert create_sandbox(stale, "s2") == "r1", "the stale read model still offers r1"
+    before = fresh.event_count()
+    with pytest.raises(HomeRunnerUnavailableError, match="insufficient instances"):
+        stale.schedule(schedule_request("s2", clock()))
+    assert fresh.event_count() == before
+    assert fresh.fold_runner("r1").reserved.instances == 1
+
+
+def test_read_your_writes_waits_for_a_position(store: Store, clock: Clock) -> None:
+    app = SchedulerApplication(env={**store.env, "SECONDBOX_READ_MODELS": "external"}, now=clock)
+    store.opened.append(app)
+    register(app, "r1", at=clock())
+    position = app.head_position()
+    with pytest.raises(TimeoutError):
+        app.wait_for(position, timeout=0.2)
+    read_models_of(app).catch_up()
+    app.wait_for(position, timeout=0.2)
+    assert [r.id for r in app.runner_snapshots()] == ["r1"]
+
+
+def test_status_reports_position_head_and_lag(store: Store, clock: Clock) -> None:
+    app = SchedulerApplication(env={**store.env, "SECONDBOX_READ_MODELS": "external"}, now=clock)
+    store.opened.append(app)
+    register(app, "r1", at=clock())
+    lagging = {s.name: s for s in read_models_of(app).status()}
+    assert lagging["runner_snapshots"].lag_events == app.event_count()
+    read_models_of(app).catch_up()
+    current = {s.name: s for s in read_models_of(app).status()}
+    assert {s.lag_events for s in current.values()} == {0}
+    assert {s.position for s in current.values()} == {app.head_position()}
+
+
+def cli(*args: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "infrastructure.cli", *args],
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+@pytest.mark.slow
+def test_a_killed_projection_process_resumes_exactly_once(
+    postgres_schema: Any, clock: Clock
+) -> None:
+    url = postgres_schema.url()
+    writer = SchedulerApplication(
+        env={"SECONDBOX_DATABASE_URL": url, "SECONDBOX_READ_MODELS": "off"}, now=clock
+    )
+    try:
+        for index in range(8):
+            register(writer, f"r{index}", at=clock(), allocatable=capacity(instances=50))
+        for index in range(300):
+            writer.record_heartbeat(
+                runner_id=f"r{index % 8}", at=clock() + timedelta(seconds=11 * (index + 1)),
+                artifact_digests=[RUNTIME, str(index)], materializations=[materialization()],
+            )  # fmt: skip
+        head = writer.head_position()
+        env = {"SECONDBOX_DATABASE_URL": url, "SECONDBOX_READ_MODELS": "external"}
+        process = cli("projections", "run", "--poll", "0.05", env=env)
+        observer = SchedulerApplication(env=env)
+        try:
+            deadline = time.monotonic() + 60
+            while read_models_of(observer).position("runner_snapshots") < 20:
+                assert time.monotonic() < deadline, process.stderr
+                time.sleep(0.01)
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+            killed_at = read_models_of(observer).position("runner_snapshots")
+            resumed = cli("projections", "run", "--once", env=env)
+            assert resumed.wait(timeout=120) == 0, resumed.stderr
+            assert read_models_of(observer).position("runner_snapshots") == head
+            assert killed_at <= head
+            assert [s.to_record() for s in read_models_of(observer).runners.snapshots()] == [
+                s.to_record() for s in writer.fold_runner_snapshots()
+            ]
+        finally:
+            observer.close()
+    finally:
+        writer.close()
