@@ -142,3 +142,7 @@ class InvalidTransitionError(ConflictError):
 
 class ReleaseProofError(ConflictError):
     """Release without proof, or a second release with a different proof."""
+
+
+class ReconcileClaimError(ConflictError):
+    """A reconcile result from an owner whose claim is not current (expired or taken over)."""

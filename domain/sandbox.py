@@ -22,6 +22,7 @@ from domain.assignment import (
     STATE_FAILED,
     STATE_RELEASED,
     STATE_RUNNING,
+    STATE_UNCERTAIN,
     TRANSIENT_FAILURES,
     new_assignment_record,
     require_failure_class,
@@ -33,11 +34,13 @@ from domain.errors import (
     InvalidRequestError,
     InvalidTransitionError,
     ProfileRevisionMismatchError,
+    ReconcileClaimError,
     ReleaseProofError,
     StaleFenceError,
 )
 from domain.ids import sandbox_uuid
 from domain.placement import decide, select_home_runner, select_runner
+from domain.reconcile import ACTION_DEADLINE_EXCEEDED, ACTION_NONE, ACTION_UNCERTAIN, ACTIONS
 from domain.values import Requirements, RunnerSnapshot, ScheduleRequest
 
 
@@ -180,6 +183,28 @@ class Sandbox(Aggregate):
                 reconcile_claim_expires_at=None,
             )
 
+    class AssignmentUncertain(Aggregate.Event):
+        generation: int
+        owner: str
+        reason: str
+
+        def apply(self, sandbox: Sandbox) -> None:
+            sandbox._touch(self.generation, self.timestamp, state=STATE_UNCERTAIN)
+
+    class ReconcileScheduled(Aggregate.Event):
+        generation: int
+        owner: str
+        next_reconcile_at: datetime | None
+        operation_deadline: datetime | None
+
+        def apply(self, sandbox: Sandbox) -> None:
+            sandbox._touch(
+                self.generation,
+                self.timestamp,
+                next_reconcile_at=self.next_reconcile_at,
+                operation_deadline=self.operation_deadline,
+            )
+
     class GenerationAdvanced(Aggregate.Event):
         generation: int
 
@@ -284,10 +309,11 @@ class Sandbox(Aggregate):
         return record
 
     def mark_running(self, generation: int, fencing_token: bytes, at: datetime) -> bool:
+        """The runner reports the compute running (also ends ``uncertain``)."""
         record = self._fenced(generation, fencing_token)
         if record["state"] == STATE_RUNNING:
             return False
-        if record["state"] != STATE_ASSIGNED:
+        if record["state"] not in (STATE_ASSIGNED, STATE_UNCERTAIN):
             raise InvalidTransitionError(
                 f"assignment {record['id']!r} is {record['state']}, not {STATE_ASSIGNED}"
             )
@@ -349,7 +375,7 @@ class Sandbox(Aggregate):
         expires = record["reconcile_claim_expires_at"]
         if holder and holder != owner and expires is not None and expires > now:
             return False
-        if holder == owner and expires == until:
+        if holder == owner and expires == until and until > now:
             return True
         if until <= now:
             raise InvalidRequestError("until", "must be later than now")
@@ -357,6 +383,72 @@ class Sandbox(Aggregate):
             self.ReconcileClaimed, timestamp=now, generation=generation, owner=owner, until=until
         )
         return True
+
+    def _claimed(self, generation: int, owner: str, at: datetime) -> dict[str, Any]:
+        record = self._current(generation)
+        expires = record["reconcile_claim_expires_at"]
+        if record["reconcile_owner"] != owner or expires is None or expires <= at:
+            raise ReconcileClaimError(
+                f"{owner!r} holds no current reconcile claim on sandbox {self.sandbox_id!r} "
+                f"generation {generation} (held by {record['reconcile_owner'] or 'nobody'!r} "
+                f"until {expires.isoformat() if expires else '-'})"
+            )
+        return record
+
+    def reconcile(
+        self,
+        generation: int,
+        owner: str,
+        action: str,
+        reason: str,
+        next_reconcile_at: datetime | None,
+        at: datetime,
+    ) -> None:
+        """Commit one reconcile result; only while ``owner``'s claim is current."""
+        record = self._claimed(generation, owner, at)
+        deadline = record["operation_deadline"]
+        if action == ACTION_DEADLINE_EXCEEDED:
+            if record["state"] != STATE_ASSIGNED:
+                raise InvalidTransitionError(
+                    f"assignment {record['id']!r} is {record['state']}, not {STATE_ASSIGNED}"
+                )
+            retry = record["retry_count"] < record["retry_limit"]
+            self.trigger_event(
+                self.AssignmentFailed,
+                timestamp=at,
+                generation=generation,
+                failure_class=ACTION_DEADLINE_EXCEEDED,
+                retry_count=record["retry_count"] + 1 if retry else record["retry_count"],
+                state=STATE_ASSIGNED if retry else STATE_FAILED,
+            )
+            if retry and deadline is not None:  # redelivery gets a fresh operation window
+                deadline = at + (deadline - record["created_at"])
+        elif action == ACTION_UNCERTAIN:
+            if record["state"] not in (STATE_ASSIGNED, STATE_RUNNING):
+                raise InvalidTransitionError(
+                    f"assignment {record['id']!r} is {record['state']} and cannot become uncertain"
+                )
+            self.trigger_event(
+                self.AssignmentUncertain,
+                timestamp=at,
+                generation=generation,
+                owner=owner,
+                reason=reason,
+            )
+        elif action != ACTION_NONE:
+            raise InvalidRequestError("action", f"must be one of {list(ACTIONS)}", action)
+        if (
+            next_reconcile_at != record["next_reconcile_at"]
+            or deadline != record["operation_deadline"]
+        ):
+            self.trigger_event(
+                self.ReconcileScheduled,
+                timestamp=at,
+                generation=generation,
+                owner=owner,
+                next_reconcile_at=next_reconcile_at,
+                operation_deadline=deadline,
+            )
 
     def release_reconcile_claim(self, generation: int, owner: str, at: datetime) -> bool:
         record = self._current(generation)

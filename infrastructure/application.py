@@ -34,6 +34,7 @@ from domain.errors import (
 )
 from domain.ids import lease_uuid, runner_uuid, sandbox_uuid
 from domain.lease import RunnerLease
+from domain.reconcile import ReconcileDecision
 from domain.runner import Runner
 from domain.sandbox import Sandbox
 from domain.values import (
@@ -488,6 +489,25 @@ class SchedulerApplication(Application[UUID]):
         return self._update_sandbox(
             sandbox_id, lambda sandbox, at: sandbox.claim_reconcile(generation, owner, until, at)
         )
+
+    def record_reconcile(
+        self,
+        sandbox_id: str,
+        generation: int,
+        owner: str,
+        decision: ReconcileDecision,
+    ) -> None:
+        """Commit a reconcile result; refused (ReconcileClaimError) unless ``owner``'s
+        claim is current when it commits."""
+        _require_generation(sandbox_id, generation)
+        require_text("owner", owner)
+        self._update_sandbox(
+            sandbox_id,
+            lambda sandbox, at: sandbox.reconcile(
+                generation, owner, decision.action, decision.reason,
+                decision.next_reconcile_at, at,
+            ),
+        )  # fmt: skip
 
     def release_reconcile_claim(self, sandbox_id: str, generation: int, owner: str) -> bool:
         _require_generation(sandbox_id, generation)

@@ -64,10 +64,15 @@ class AssignmentsView(SqlView):
         "CREATE INDEX IF NOT EXISTS assignments_due ON {table} (next_reconcile_at)",
     )
 
-    def _select(self, where: str, params: list[Any]) -> list[DurableAssignment]:
-        rows = self.query(
-            f"SELECT * FROM {{table}} WHERE {where} ORDER BY sandbox_id, generation", params
-        )
+    def _select(
+        self,
+        where: str,
+        params: list[Any],
+        order: str = "sandbox_id, generation",
+        limit: int | None = None,
+    ) -> list[DurableAssignment]:
+        tail = "" if limit is None else f" LIMIT {int(limit)}"
+        rows = self.query(f"SELECT * FROM {{table}} WHERE {where} ORDER BY {order}{tail}", params)
         return [row_to_assignment(row) for row in rows]
 
     def get(self, sandbox_id: str, generation: int) -> DurableAssignment | None:
@@ -91,8 +96,10 @@ class AssignmentsView(SqlView):
         moment = time_text(at)
         return self._select(
             "state <> %s AND next_reconcile_at <= %s AND (reconcile_claim_expires_at IS NULL "
-            f"OR reconcile_claim_expires_at <= %s) LIMIT {int(limit)}",
+            "OR reconcile_claim_expires_at <= %s)",
             [STATE_RELEASED, moment, moment],
+            order="next_reconcile_at, sandbox_id, generation",
+            limit=limit,
         )
 
     def rows(self) -> list[dict[str, Any]]:
@@ -179,6 +186,19 @@ class AssignmentsProjection(Projection[AssignmentsView]):
             _update(
                 event, "reconcile_owner = %s, reconcile_claim_expires_at = %s", event.owner,
                 time_text(event.until),
+            )
+        ]  # fmt: skip
+
+    @changes.register
+    def _(self, event: Sandbox.AssignmentUncertain) -> list[Change]:
+        return [_update(event, "state = %s", "uncertain")]
+
+    @changes.register
+    def _(self, event: Sandbox.ReconcileScheduled) -> list[Change]:
+        return [
+            _update(
+                event, "next_reconcile_at = %s, operation_deadline = %s",
+                time_text(event.next_reconcile_at), time_text(event.operation_deadline),
             )
         ]  # fmt: skip
 
