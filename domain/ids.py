@@ -21,3 +21,7 @@ def lease_uuid(runner_id: str) -> UUID:
 
 def sandbox_uuid(sandbox_id: str) -> UUID:
     return uuid5(NAMESPACE, f"sandbox:{sandbox_id}")
+
+
+def refusal_log_uuid(sandbox_id: str) -> UUID:
+    return uuid5(NAMESPACE, f"refusals:{sandbox_id}")

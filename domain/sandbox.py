@@ -39,7 +39,7 @@ from domain.errors import (
     StaleFenceError,
 )
 from domain.ids import sandbox_uuid
-from domain.placement import decide, select_home_runner, select_runner
+from domain.placement import decide, rank_key, select_home_runner, select_runner
 from domain.reconcile import ACTION_DEADLINE_EXCEEDED, ACTION_NONE, ACTION_UNCERTAIN, ACTIONS
 from domain.values import Requirements, RunnerSnapshot, ScheduleRequest
 
@@ -53,6 +53,25 @@ def decision_record(
         "chosen_runner_id": chosen,
         "candidates": [evaluation.to_record() for evaluation in evaluations],
     }
+
+
+def ranked_candidates(
+    requirements: Requirements, runners: Sequence[RunnerSnapshot], evaluations: Sequence[Any]
+) -> list[dict[str, Any]]:
+    """Candidate records; compatible ones carry the ranking keys they were ordered by."""
+    records = []
+    for runner, evaluation in zip(runners, evaluations, strict=True):
+        record = evaluation.to_record()
+        if evaluation.compatible:
+            locality, instances, vcpu, memory, _ = rank_key(requirements, runner)
+            record["rank"] = {
+                "artifact_locality": -locality,
+                "free_instances": -instances,
+                "free_vcpu_count": -vcpu,
+                "free_memory_bytes": -memory,
+            }
+        records.append(record)
+    return records
 
 
 class Sandbox(Aggregate):
@@ -100,6 +119,10 @@ class Sandbox(Aggregate):
         if decision.chosen is None:
             select_runner(requirements, runners, now, heartbeat_timeout)  # raises the typed error
         assert decision.chosen is not None
+        home_decision = decision_record(
+            now, heartbeat_timeout, decision.evaluations, decision.chosen.id
+        )
+        home_decision["candidates"] = ranked_candidates(requirements, runners, decision.evaluations)
         return cls._create(
             cls.Created,
             id=sandbox_uuid(sandbox_id),
@@ -109,9 +132,7 @@ class Sandbox(Aggregate):
             profile_revision_id=profile_revision_id,
             requirements=requirements.to_record(),
             home_runner_id=decision.chosen.id,
-            home_decision=decision_record(
-                now, heartbeat_timeout, decision.evaluations, decision.chosen.id
-            ),
+            home_decision=home_decision,
         )
 
     # -- events ---------------------------------------------------------------

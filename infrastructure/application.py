@@ -27,14 +27,16 @@ from domain.errors import (
     AlreadyExistsError,
     HomeRunnerUnavailableError,
     InvalidRequestError,
+    PlacementError,
     ProfileRevisionMismatchError,
     RunnerNotFoundError,
     SandboxNotFoundError,
     SerializationContentionError,
 )
-from domain.ids import lease_uuid, runner_uuid, sandbox_uuid
+from domain.ids import lease_uuid, refusal_log_uuid, runner_uuid, sandbox_uuid
 from domain.lease import RunnerLease
 from domain.reconcile import ReconcileDecision
+from domain.refusals import OPERATION_CREATE, OPERATION_SCHEDULE, RefusalLog
 from domain.runner import Runner
 from domain.sandbox import Sandbox
 from domain.values import (
@@ -82,6 +84,7 @@ class SchedulerMetrics:
 
     placements: int = 0
     replays: int = 0
+    refusals_recorded: int = 0
     contention_retries: int = 0
     contention_errors: int = 0
     heartbeats: dict[str, int] = field(default_factory=dict)
@@ -347,15 +350,19 @@ class SchedulerApplication(Application[UUID]):
         existing = self._load(sandbox_uuid(sandbox_id), Sandbox)
         if existing is None:
             now = self.now()
-            sandbox = Sandbox.create(
-                sandbox_id=sandbox_id,
-                workspace_id=workspace_id,
-                profile_revision_id=profile_revision_id,
-                requirements=wanted,
-                runners=self._candidates(wanted),
-                now=now,
-                heartbeat_timeout=heartbeat_timeout,
-            )
+            try:
+                sandbox = Sandbox.create(
+                    sandbox_id=sandbox_id,
+                    workspace_id=workspace_id,
+                    profile_revision_id=profile_revision_id,
+                    requirements=wanted,
+                    runners=self._candidates(wanted),
+                    now=now,
+                    heartbeat_timeout=heartbeat_timeout,
+                )
+            except PlacementError as error:
+                self._record_refusal(sandbox_id, OPERATION_CREATE, 0, error, now, heartbeat_timeout)
+                raise
             try:
                 self.save(sandbox)
                 return sandbox.home_runner_id
@@ -372,15 +379,49 @@ class SchedulerApplication(Application[UUID]):
             )
         return existing.home_runner_id
 
+    def _record_refusal(
+        self,
+        sandbox_id: str,
+        operation: str,
+        generation: int,
+        error: PlacementError,
+        decided_at: datetime,
+        heartbeat_timeout: timedelta,
+    ) -> None:
+        """Record a refused placement as evidence (best effort: it never changes the
+        outcome; a lost race is retried a few times, then the record is dropped)."""
+        for _ in range(4):
+            log = self._load(refusal_log_uuid(sandbox_id), RefusalLog) or RefusalLog.open(
+                sandbox_id, decided_at
+            )
+            recorded = log.refuse(
+                operation=operation,
+                generation=generation,
+                error=type(error).__name__,
+                evaluations=error.evaluations,
+                decided_at=decided_at,
+                heartbeat_timeout=heartbeat_timeout,
+            )
+            if not recorded:
+                return
+            try:
+                self.save(log)
+                self.metrics.add("refusals_recorded")
+                return
+            except IntegrityError:
+                continue
+
     def _candidates(self, requirements: Requirements) -> list[RunnerSnapshot]:
-        """Runners of the pool and architecture: from the read model's index when present.
+        """Runners of the requirements' pool, from the read model's (pool, architecture)
+        index when present. Every runner of the pool is evaluated, so the recorded home
+        decision explains why each of them was or was not chosen.
 
         A lagging read model can only make the home choice worse, never unsafe:
         ``schedule`` decides against the aggregates.
         """
         read_models = self.current_read_models()
         if read_models is not None:
-            return read_models.runners.snapshots(requirements.pool_name, requirements.architecture)
+            return read_models.runners.snapshots(requirements.pool_name)
         return self.fold_runner_snapshots(requirements.pool_name)
 
     def schedule(self, request: ScheduleRequest) -> tuple[DurableAssignment, bool]:
@@ -406,13 +447,21 @@ class SchedulerApplication(Application[UUID]):
             if runner is None or runner.deregistered:
                 raise HomeRunnerUnavailableError((), f"home runner {home!r} is not registered")
             lease = self._lease(home)
-            record = sandbox.fence(
-                request,
-                runner.snapshot(lease),
-                runner_version=runner.version,
-                lease_version=lease.version,
-                attempt=number,
-            )
+            try:
+                record = sandbox.fence(
+                    request,
+                    runner.snapshot(lease),
+                    runner_version=runner.version,
+                    lease_version=lease.version,
+                    attempt=number,
+                )
+            except PlacementError as error:
+                assert request.now is not None
+                self._record_refusal(
+                    request.sandbox_id, OPERATION_SCHEDULE, sandbox.generation, error,
+                    request.now, request.heartbeat_timeout,
+                )  # fmt: skip
+                raise
             assert request.now is not None
             runner.reserve(
                 assignment_id=request.assignment_id,

@@ -716,6 +716,192 @@ def projections_run(
             app.close()
 
 
+# -- audit -------------------------------------------------------------------------------
+
+audit_cli = typer.Typer(
+    help=(
+        "Audit replay of the scheduling history from the events alone: verify every "
+        "invariant, show the state at any point, timelines, and why each placement was "
+        "made. See docs/audit.md."
+    ),
+    no_args_is_help=True,
+)
+cli.add_typer(audit_cli, name="audit")
+UntilOption = Annotated[
+    str | None,
+    typer.Option(
+        "--until", help="Stop at a notification POSITION or at the first event after an ISO TIME."
+    ),
+]
+
+
+@audit_cli.command(
+    "verify",
+    help=(
+        "Replay the whole notification log through a pure fold (no cache, no projection) and "
+        "check invariants 1 to 6 after every event, and every placement against the "
+        "reconstructed runner state and its recorded evidence. Exits 1 listing each "
+        "violation (position, aggregate, event, rule).\n\n[bold]Examples[/bold]\n\n"
+        "  secondbox-scheduler audit verify\n"
+        "  secondbox-scheduler audit verify --until 2026-11-29T12:00:00Z --json"
+    ),
+)
+def audit_verify(
+    database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
+    until: UntilOption = None,
+    as_json: JsonOutput = False,
+) -> None:
+    from infrastructure.audit import parse_until, verify
+
+    with _reported_errors(), _store_errors(database_url):
+        app = _open_store(database_url)
+        limit = parse_until(until)
+        total = app.event_count()
+        with Progress(
+            TextColumn("verifying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=Console(stderr=True), disable=as_json, transient=True,
+        ) as bar:  # fmt: skip
+            task = bar.add_task("verify", total=total)
+            report = verify(app, limit, progress=lambda n: bar.advance(task, n))
+        app.close()
+    if as_json:
+        _print_json(report.to_dict())
+    else:
+        console = _stdout()
+        for violation in report.violations:
+            console.print(f"[red]violation[/red] {escape(str(violation))}")
+        verdict = (
+            "[green]OK[/green]"
+            if report.ok
+            else f"[red]{len(report.violations)} violation(s)[/red]"
+        )
+        console.print(
+            f"{verdict}: {report.events:,} events checked up to position {report.position:,} in "
+            f"{report.seconds:.2f}s ({report.events_per_second:,.0f} events/s; raw notification "
+            f"read {report.raw_events_per_second:,.0f} events/s)"
+        )
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@audit_cli.command(
+    "state",
+    help=(
+        "Every runner snapshot and assignment as they stood at a notification position or a "
+        "time.\n\n[bold]Example[/bold]\n\n  secondbox-scheduler audit state --at 5000"
+    ),
+)
+def audit_state(
+    at: Annotated[str, typer.Option("--at", help="POSITION or ISO TIME.")],
+    database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
+    as_json: JsonOutput = False,
+) -> None:
+    from infrastructure.audit import parse_until, state_at
+
+    with _reported_errors(), _store_errors(database_url):
+        app = _open_store(database_url)
+        state = state_at(app, parse_until(at))
+        app.close()
+    if as_json:
+        _print_json({
+            "position": state.position,
+            "runners": [r.to_record() for r in state.runners],
+            "assignments": [assignment_json(a) for a in state.assignments],
+        })  # fmt: skip
+        return
+    console = _stdout()
+    console.print(f"state at position {state.position:,}")
+    console.print(runner_table(state.runners))
+    console.print(assignment_table(state.assignments, f"Assignments ({len(state.assignments)})"))
+
+
+@audit_cli.command(
+    "timeline",
+    help=(
+        "One sandbox's history (with its refused placements) or one runner's (with its "
+        "heartbeat lease), in time order.\n\n[bold]Examples[/bold]\n\n"
+        "  secondbox-scheduler audit timeline --sandbox sbx-0001\n"
+        "  secondbox-scheduler audit timeline --runner general-01"
+    ),
+)
+def audit_timeline(
+    sandbox: Annotated[str | None, typer.Option("--sandbox", help="Sandbox id.")] = None,
+    runner: Annotated[str | None, typer.Option("--runner", help="Runner id.")] = None,
+    database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
+    as_json: JsonOutput = False,
+) -> None:
+    from infrastructure.audit import timeline
+
+    if (sandbox is None) == (runner is None):
+        raise typer.BadParameter("give exactly one of --sandbox ID or --runner ID")
+    with _reported_errors(), _store_errors(database_url):
+        app = _open_store(database_url)
+        entries = timeline(app, sandbox_id=sandbox, runner_id=runner)
+        app.close()
+    if as_json:
+        _print_json([entry.to_dict() for entry in entries])
+        return
+    table = Table(
+        title=f"Timeline of {'sandbox ' + str(sandbox) if sandbox else 'runner ' + str(runner)}",
+        box=box.SIMPLE,
+    )
+    for column in ("time", "stream", "v", "event", "fields"):
+        table.add_column(column)
+    for entry in entries:
+        fields = ", ".join(f"{k}={v}" for k, v in entry.fields.items())
+        table.add_row(
+            _time(entry.time), entry.stream, str(entry.version), entry.event, escape(fields)
+        )
+    _stdout().print(table)
+
+
+@audit_cli.command(
+    "explain",
+    help=(
+        "Why this sandbox's home runner, why each generation's runner, and why each refused "
+        "placement: every candidate's reason codes and capacity shortfall, and a one-line "
+        "summary in kube-scheduler's manner, from the evidence recorded at decision time."
+        "\n\n[bold]Example[/bold]\n\n  secondbox-scheduler audit explain sbx-0001"
+    ),
+)
+def audit_explain(
+    sandbox_id: Annotated[str, typer.Argument(help="Sandbox id.")],
+    generation: Annotated[
+        int | None, typer.Option("--generation", help="Only this generation.")
+    ] = None,
+    database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
+    as_json: JsonOutput = False,
+) -> None:
+    from infrastructure.audit import explain
+
+    with _reported_errors(), _store_errors(database_url):
+        app = _open_store(database_url)
+        explanation = explain(app, sandbox_id, generation)
+        app.close()
+    if as_json:
+        _print_json(explanation.to_dict())
+        return
+    console = _stdout()
+    console.print(f"[bold]sandbox {escape(sandbox_id)}[/bold]")
+    for decision in explanation.decisions:
+        console.print(
+            f"\n[bold]{escape(decision.title)}[/bold] at {_time(decision.decided_at)} "
+            f"(heartbeat timeout {decision.heartbeat_timeout_seconds:g}s)"
+        )
+        console.print(f"  {escape(decision.summary)}")
+        for key, value in decision.detail.items():
+            console.print(f"  {key}: {escape(str(value))}")
+        for line in decision.candidates:
+            reasons = "; ".join(
+                r["code"] + (f" (short {r['shortfall']})" if r.get("shortfall") else "")
+                for r in line.reasons
+            )
+            rank = ""
+            if line.rank:
+                rank = ", ".join(f"{k} {v:,}" for k, v in line.rank.items())
+            console.print(f"  {line.runner_id:<16} {line.verdict:<26} {escape(reasons or rank)}")
+
+
 # -- lifecycle ---------------------------------------------------------------------------
 
 

@@ -124,3 +124,21 @@ def create_sandbox(app: SchedulerApplication, sandbox_id: str, **requirement_ove
         requirements=requirements(**requirement_overrides),
         heartbeat_timeout=HEARTBEAT_TIMEOUT,
     )
+
+
+REFUSAL_TOPICS = {"RefusalLog.Opened", "RefusalLog.Refused"}
+
+
+def topics_since(app: SchedulerApplication, position: int) -> list[str]:
+    """``Class.Event`` names of the events recorded after notification ``position``."""
+    return [
+        notification.topic.rsplit(":", 1)[1]
+        for notification in app.recorder.select_notifications(
+            start=position, limit=10_000, inclusive_of_start=False
+        )
+    ]
+
+
+def only_refusals_since(app: SchedulerApplication, position: int) -> bool:
+    """True when nothing but refusal evidence was recorded after ``position``."""
+    return set(topics_since(app, position)) <= REFUSAL_TOPICS

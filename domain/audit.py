@@ -1,0 +1,594 @@
+"""Audit fold: the whole scheduling history replayed event by event, with every promise checked.
+
+Pure: it is fed decoded events with their notification positions, in log order, and
+keeps its own plain state (no aggregate, no cache, no projection). After every event
+it checks the invariants of SPEC section 7 that the event could break:
+
+1. reserved <= allocatable on every checked dimension;
+2. a runner's reserved capacity equals the sum over its unreleased assignments (a
+   fence and its reservation, a release and its capacity release, are written in one
+   transaction, so the second of each pair must follow the first at once);
+3. one assignment per (sandbox, generation); a fencing token never repeats per sandbox;
+4. each assignment's runner was the sandbox's home runner and compatible, by every
+   rule, on the evidence recorded with the decision; and that evidence matches the
+   runner and lease as the log had them (versions, capacity, drain phase, heartbeat);
+5. no reservation on a draining or deregistered runner;
+6. capacity released at most once per assignment, and only with proof.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+from uuid import UUID
+
+from domain.lease import RunnerLease
+from domain.placement import checked_dimensions, evaluate_runner
+from domain.refusals import RefusalLog
+from domain.runner import Runner, reservation_key
+from domain.sandbox import Sandbox
+from domain.values import (
+    DRAIN_PHASE_ACTIVE,
+    DRAIN_PHASE_DRAINING,
+    Capacity,
+    MaterializationSnapshot,
+    Requirements,
+    RunnerSnapshot,
+)
+
+DIMENSIONS = Capacity.DIMENSIONS
+
+
+@dataclass(frozen=True)
+class Violation:
+    position: int
+    aggregate: str
+    event: str
+    rule: str
+    detail: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "position": self.position,
+            "aggregate": self.aggregate,
+            "event": self.event,
+            "rule": self.rule,
+            "detail": self.detail,
+        }
+
+    def __str__(self) -> str:
+        return f"#{self.position} {self.aggregate} {self.event}: {self.rule}: {self.detail}"
+
+
+@dataclass
+class RunnerState:
+    runner_id: str
+    pool_name: str
+    backend_kind: str
+    architecture: str
+    capabilities: list[str]
+    allocatable: dict[str, int]
+    supported_egress_contexts: list[str]
+    guest_protocol_minimum: int
+    guest_protocol_maximum: int
+    reserved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIMENSIONS, 0))
+    reservations: dict[str, dict[str, int]] = field(default_factory=dict)
+    drain_phase: str = DRAIN_PHASE_ACTIVE
+    deregistered: bool = False
+    version: int = 1
+
+
+@dataclass
+class LeaseState:
+    runner_id: str
+    last_heartbeat_at: datetime | None = None
+    artifact_digests: list[str] = field(default_factory=list)
+    materializations: list[dict[str, str]] = field(default_factory=list)
+    version: int = 1
+    history: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+
+    def at_version(self, version: int) -> tuple[Any, ...]:
+        return self.history.get(version, (None, [], []))
+
+
+@dataclass
+class SandboxState:
+    sandbox_id: str
+    workspace_id: str
+    profile_revision_id: str
+    requirements: dict[str, Any]
+    home_runner_id: str
+    home_decision: dict[str, Any]
+    generation: int = 1
+    assignments: dict[int, dict[str, Any]] = field(default_factory=dict)
+    tokens: set[str] = field(default_factory=set)
+    fenced_at: dict[int, int] = field(default_factory=dict)
+    placements: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass
+class Pending:
+    """The first half of a two-aggregate transaction, waiting for its second half."""
+
+    kind: str  # "reserve" or "release"
+    position: int
+    sandbox_id: str
+    generation: int
+    runner_id: str
+    capacity: dict[str, int]
+
+
+class AuditFold:
+    """Replays events in log order into plain state and reports every broken promise."""
+
+    def __init__(self) -> None:
+        self.runners: dict[UUID, RunnerState] = {}
+        self.runner_streams: dict[str, UUID] = {}
+        self.leases: dict[UUID, LeaseState] = {}
+        self.lease_of: dict[str, UUID] = {}
+        self.sandboxes: dict[UUID, SandboxState] = {}
+        self.sandbox_streams: dict[str, UUID] = {}
+        self.refusals: dict[str, list[dict[str, Any]]] = {}
+        self.owed: dict[str, dict[str, int]] = {}  # unreleased assignments' capacity by runner
+        self.violations: list[Violation] = []
+        self._current: Any = None
+        self.pending: Pending | None = None
+        self.position = 0
+        self.events = 0
+        self._handlers: dict[type[Any], Callable[[Any], None]] = {
+            Runner.Registered: self._registered,
+            Runner.CapacityReserved: self._reserved,
+            Runner.CapacityReleased: self._capacity_released,
+            Runner.DrainStarted: lambda e: self._drain(e, DRAIN_PHASE_DRAINING),
+            Runner.DrainCancelled: lambda e: self._drain(e, DRAIN_PHASE_ACTIVE),
+            Runner.AllocatableChanged: self._allocatable,
+            Runner.Deregistered: self._deregistered,
+            RunnerLease.Opened: self._lease_opened,
+            RunnerLease.LivenessRenewed: self._lease_renewed,
+            RunnerLease.EvidenceRecorded: self._lease_evidence,
+            Sandbox.Created: self._sandbox_created,
+            Sandbox.AssignmentFenced: self._fenced,
+            Sandbox.AssignmentReleased: self._released,
+            Sandbox.GenerationAdvanced: self._advanced,
+            RefusalLog.Refused: self._refused,
+        }
+
+    # -- driving --------------------------------------------------------------
+
+    def apply(self, position: int, event: Any) -> list[Violation]:
+        """Fold one event at notification ``position``; return the violations it caused."""
+        found_before = len(self.violations)
+        self.position = position
+        self.events += 1
+        self._current = event
+        pending = self.pending
+        if pending is not None and not self._completes(pending, event):
+            self._violate(
+                "invariant-2",
+                f"{pending.kind} of {pending.sandbox_id}#{pending.generation} at "
+                f"#{pending.position} has no matching runner event in the same transaction",
+            )
+            self.pending = None
+        handler = self._handlers.get(type(event))
+        if handler is not None:
+            handler(event)
+        elif isinstance(event, Sandbox.Event):
+            self._sandbox_update(event)
+        self._versions(event)
+        return self.violations[found_before:]
+
+    def finish(self) -> list[Violation]:
+        """At the end of the log: an unpaired half-transaction is a violation too."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self._violate(
+                "invariant-2",
+                f"{pending.kind} of {pending.sandbox_id}#{pending.generation} at "
+                f"#{pending.position} has no matching runner event",
+            )
+        return self.violations
+
+    def _completes(self, pending: Pending, event: Any) -> bool:
+        wanted = Runner.CapacityReserved if pending.kind == "reserve" else Runner.CapacityReleased
+        return isinstance(event, wanted)
+
+    def _violate(self, rule: str, detail: str) -> None:
+        event = self._current
+        name = type(event).__qualname__
+        self.violations.append(
+            Violation(
+                self.position, f"{name.split('.')[0]} {event.originator_id}", name, rule, detail
+            )
+        )
+
+    def _versions(self, event: Any) -> None:
+        runner = self.runners.get(event.originator_id)
+        if runner is not None:
+            runner.version = event.originator_version
+        lease = self.leases.get(event.originator_id)
+        if lease is not None:
+            lease.version = event.originator_version
+            lease.history[lease.version] = (
+                lease.last_heartbeat_at,
+                list(lease.artifact_digests),
+                [dict(m) for m in lease.materializations],
+            )
+
+    # -- runners --------------------------------------------------------------
+
+    def _registered(self, event: Any) -> None:
+        self.runners[event.originator_id] = RunnerState(
+            runner_id=event.runner_id,
+            pool_name=event.pool_name,
+            backend_kind=event.backend_kind,
+            architecture=event.architecture,
+            capabilities=list(event.capabilities),
+            allocatable=dict(event.allocatable),
+            supported_egress_contexts=list(event.supported_egress_contexts),
+            guest_protocol_minimum=event.guest_protocol_minimum,
+            guest_protocol_maximum=event.guest_protocol_maximum,
+        )
+        self.runner_streams[event.runner_id] = event.originator_id
+
+    def _runner(self, event: Any) -> RunnerState | None:
+        runner = self.runners.get(event.originator_id)
+        if runner is None:
+            self._violate("history", "event of a runner that was never registered")
+        return runner
+
+    def _check_capacity(self, runner: RunnerState) -> None:
+        for dim in checked_dimensions(runner.capabilities):
+            if runner.reserved[dim] > runner.allocatable[dim]:
+                self._violate(
+                    "invariant-1",
+                    f"runner {runner.runner_id!r} reserved {dim} {runner.reserved[dim]} > "
+                    f"allocatable {runner.allocatable[dim]}",
+                )
+            if runner.reserved[dim] < 0:
+                self._violate("invariant-2", f"runner {runner.runner_id!r} reserved {dim} < 0")
+
+    def _owe(self, runner_id: str, capacity: dict[str, int], sign: int) -> None:
+        owed = self.owed.setdefault(runner_id, dict.fromkeys(DIMENSIONS, 0))
+        for dim in DIMENSIONS:
+            owed[dim] += sign * capacity[dim]
+
+    def _check_ledger(self, runner: RunnerState) -> None:
+        owed = self.owed.get(runner.runner_id, dict.fromkeys(DIMENSIONS, 0))
+        if owed != runner.reserved:
+            self._violate(
+                "invariant-2",
+                f"runner {runner.runner_id!r} reserved {runner.reserved} but its unreleased "
+                f"assignments sum to {owed}",
+            )
+
+    def _reserved(self, event: Any) -> None:
+        runner = self._runner(event)
+        if runner is None:
+            return
+        if runner.deregistered or runner.drain_phase != DRAIN_PHASE_ACTIVE:
+            state = "deregistered" if runner.deregistered else runner.drain_phase
+            self._violate("invariant-5", f"reservation on {state} runner {runner.runner_id!r}")
+        pending, self.pending = self.pending, None
+        if (
+            pending is None
+            or pending.kind != "reserve"
+            or (pending.sandbox_id, pending.generation, pending.runner_id)
+            != (event.sandbox_id, event.generation, runner.runner_id)
+            or pending.capacity != dict(event.capacity)
+        ):
+            self._violate(
+                "invariant-2",
+                f"reservation {event.reservation!r} on {runner.runner_id!r} matches no "
+                "assignment fenced in the same transaction",
+            )
+        if event.reservation in runner.reservations:
+            self._violate("invariant-3", f"second reservation {event.reservation!r}")
+        runner.reservations[event.reservation] = dict(event.capacity)
+        for dim in DIMENSIONS:
+            runner.reserved[dim] += event.capacity[dim]
+        self._check_capacity(runner)
+        if pending is not None and pending.kind == "reserve":
+            self._check_ledger(runner)
+
+    def _capacity_released(self, event: Any) -> None:
+        runner = self._runner(event)
+        if runner is None:
+            return
+        if not event.release_proof:
+            self._violate(
+                "invariant-6", f"capacity of {event.reservation!r} released without proof"
+            )
+        held = runner.reservations.pop(event.reservation, None)
+        if held is None:
+            self._violate(
+                "invariant-6", f"capacity of {event.reservation!r} released but not held (twice?)"
+            )
+        pending, self.pending = self.pending, None
+        if pending is None or pending.kind != "release":
+            self._violate(
+                "invariant-6",
+                f"capacity of {event.reservation!r} released without the assignment's release",
+            )
+        for dim in DIMENSIONS:
+            runner.reserved[dim] -= event.capacity[dim]
+        self._check_capacity(runner)
+        self._check_ledger(runner)
+
+    def _drain(self, event: Any, phase: str) -> None:
+        runner = self._runner(event)
+        if runner is not None:
+            runner.drain_phase = phase
+
+    def _allocatable(self, event: Any) -> None:
+        runner = self._runner(event)
+        if runner is not None:
+            runner.allocatable = dict(event.allocatable)
+            self._check_capacity(runner)
+
+    def _deregistered(self, event: Any) -> None:
+        runner = self._runner(event)
+        if runner is not None:
+            runner.deregistered = True
+            if runner.reservations:
+                self._violate(
+                    "invariant-2", f"runner {runner.runner_id!r} deregistered while reserved"
+                )
+
+    # -- leases ---------------------------------------------------------------
+
+    def _lease_opened(self, event: Any) -> None:
+        lease = LeaseState(event.runner_id)
+        lease.history[1] = (None, [], [])
+        self.leases[event.originator_id] = lease
+        self.lease_of[event.runner_id] = event.originator_id
+
+    def _lease_renewed(self, event: Any) -> None:
+        lease = self.leases.get(event.originator_id)
+        if lease is not None:
+            lease.last_heartbeat_at = event.at
+
+    def _lease_evidence(self, event: Any) -> None:
+        lease = self.leases.get(event.originator_id)
+        if lease is not None:
+            lease.last_heartbeat_at = event.at
+            lease.artifact_digests = list(event.artifact_digests)
+            lease.materializations = [dict(m) for m in event.materializations]
+
+    # -- sandboxes ------------------------------------------------------------
+
+    def _sandbox_created(self, event: Any) -> None:
+        self.sandboxes[event.originator_id] = SandboxState(
+            sandbox_id=event.sandbox_id,
+            workspace_id=event.workspace_id,
+            profile_revision_id=event.profile_revision_id,
+            requirements=dict(event.requirements),
+            home_runner_id=event.home_runner_id,
+            home_decision=dict(event.home_decision),
+        )
+        self.sandbox_streams[event.sandbox_id] = event.originator_id
+
+    def _sandbox(self, event: Any) -> SandboxState | None:
+        sandbox = self.sandboxes.get(event.originator_id)
+        if sandbox is None:
+            self._violate("history", "event of a sandbox that was never created")
+        return sandbox
+
+    def _fenced(self, event: Any) -> None:
+        sandbox = self._sandbox(event)
+        if sandbox is None:
+            return
+        record = dict(event.assignment)
+        generation = record["generation"]
+        if generation in sandbox.assignments:
+            self._violate("invariant-3", f"second assignment for generation {generation}")
+        if generation != sandbox.generation:
+            self._violate(
+                "invariant-3",
+                f"assignment for generation {generation} while current is {sandbox.generation}",
+            )
+        if record["fencing_token"] in sandbox.tokens:
+            self._violate("invariant-3", f"fencing token reused in generation {generation}")
+        self._check_placement(sandbox, record, dict(event.placement))
+        sandbox.assignments[generation] = record
+        sandbox.tokens.add(record["fencing_token"])
+        sandbox.fenced_at[generation] = self.position
+        sandbox.placements[generation] = dict(event.placement)
+        self._owe(record["runner_id"], record["capacity"], +1)
+        self.pending = Pending(
+            "reserve", self.position, sandbox.sandbox_id, generation, record["runner_id"],
+            dict(record["capacity"]),
+        )  # fmt: skip
+
+    def _check_placement(
+        self, sandbox: SandboxState, record: dict[str, Any], placement: dict[str, Any]
+    ) -> None:
+        runner_id = record["runner_id"]
+        if runner_id != sandbox.home_runner_id:
+            self._violate(
+                "invariant-4",
+                f"assignment on {runner_id!r} but the home runner is {sandbox.home_runner_id!r}",
+            )
+        requirements = Requirements.from_record(sandbox.requirements)
+        evidence = RunnerSnapshot.from_record(placement["runner"])
+        decided_at = placement["decided_at"]
+        timeout = timedelta(seconds=placement["heartbeat_timeout_seconds"])
+        evaluation = evaluate_runner(requirements, evidence, decided_at, timeout)
+        if not evaluation.compatible:
+            reasons = ", ".join(f.detail for f in evaluation.failures)
+            self._violate("invariant-4", f"runner {runner_id!r} was not compatible: {reasons}")
+        if record["capacity"] != requirements.capacity.as_dict():
+            self._violate("invariant-4", "reserved capacity differs from the pinned requirements")
+        stream = self.runner_streams.get(runner_id)
+        runner = self.runners.get(stream) if stream else None
+        if runner is None:
+            self._violate("invariant-4", f"runner {runner_id!r} is not registered")
+            return
+        actual = {
+            "allocatable": runner.allocatable,
+            "reserved": runner.reserved,
+            "drain_phase": runner.drain_phase,
+            "capabilities": sorted(runner.capabilities),
+            "pool_name": runner.pool_name,
+            "architecture": runner.architecture,
+            "backend_kind": runner.backend_kind,
+        }
+        recorded = {
+            "allocatable": evidence.allocatable.as_dict(),
+            "reserved": evidence.reserved.as_dict(),
+            "drain_phase": evidence.drain_phase,
+            "capabilities": sorted(evidence.capabilities),
+            "pool_name": evidence.pool_name,
+            "architecture": evidence.architecture,
+            "backend_kind": evidence.backend_kind,
+        }
+        for key, value in recorded.items():
+            if actual[key] != value:
+                self._violate(
+                    "invariant-4",
+                    f"evidence {key} {value!r} differs from the runner's {actual[key]!r}",
+                )
+        if runner.deregistered:
+            self._violate("invariant-4", f"runner {runner_id!r} was deregistered")
+        if placement.get("runner_version") != runner.version:
+            self._violate(
+                "invariant-4",
+                f"evidence of runner version {placement.get('runner_version')} but the runner "
+                f"was at {runner.version}",
+            )
+        lease_stream = self.lease_of.get(runner_id)
+        lease = self.leases.get(lease_stream) if lease_stream else None
+        if lease is None:
+            self._violate("invariant-4", f"runner {runner_id!r} has no lease")
+            return
+        version = placement.get("lease_version", 0)
+        if version > lease.version:
+            self._violate("invariant-4", f"evidence of lease version {version} not yet recorded")
+            return
+        heartbeat, digests, materializations = lease.at_version(version)
+        items = [MaterializationSnapshot.from_record(m) for m in materializations]
+        if (
+            heartbeat != evidence.last_heartbeat_at
+            or tuple(digests) != evidence.artifact_digests
+            or tuple(items) != evidence.materializations
+        ):
+            self._violate(
+                "invariant-4",
+                f"heartbeat evidence differs from the lease at version {version}",
+            )
+
+    def _released(self, event: Any) -> None:
+        sandbox = self._sandbox(event)
+        if sandbox is None:
+            return
+        record = sandbox.assignments.get(event.generation)
+        if record is None:
+            self._violate("invariant-6", f"release of generation {event.generation} never fenced")
+            return
+        if record["state"] == "released":
+            self._violate("invariant-6", f"generation {event.generation} released twice")
+        if not event.release_proof:
+            self._violate("invariant-6", "released without proof")
+        if record["state"] != "released":
+            self._owe(record["runner_id"], record["capacity"], -1)
+        self._touch(record, event, state="released", release_proof=dict(event.release_proof))
+        self.pending = Pending(
+            "release", self.position, sandbox.sandbox_id, event.generation, record["runner_id"],
+            dict(record["capacity"]),
+        )  # fmt: skip
+
+    def _advanced(self, event: Any) -> None:
+        sandbox = self._sandbox(event)
+        if sandbox is None:
+            return
+        current = sandbox.assignments.get(sandbox.generation)
+        if current is None or current["state"] != "released":
+            self._violate("invariant-6", "generation advanced before its assignment was released")
+        sandbox.generation = event.generation
+
+    def _sandbox_update(self, event: Any) -> None:
+        sandbox = self._sandbox(event)
+        generation = getattr(event, "generation", None)
+        if sandbox is None or generation is None:
+            return
+        record = sandbox.assignments.get(generation)
+        if record is None:
+            self._violate("history", f"{type(event).__name__} of unfenced generation {generation}")
+            return
+        changes: dict[str, Any] = {}
+        if isinstance(event, Sandbox.AssignmentRunning):
+            changes = {"state": "running"}
+        elif isinstance(event, Sandbox.AssignmentFailed):
+            changes = {
+                "state": event.state,
+                "failure_class": event.failure_class,
+                "retry_count": event.retry_count,
+            }
+        elif isinstance(event, Sandbox.AssignmentUncertain):
+            changes = {"state": "uncertain"}
+        elif isinstance(event, Sandbox.ReconcileClaimed):
+            changes = {"reconcile_owner": event.owner, "reconcile_claim_expires_at": event.until}
+        elif isinstance(event, Sandbox.ReconcileClaimReleased):
+            changes = {"reconcile_owner": "", "reconcile_claim_expires_at": None}
+        elif isinstance(event, Sandbox.ReconcileScheduled):
+            changes = {
+                "next_reconcile_at": event.next_reconcile_at,
+                "operation_deadline": event.operation_deadline,
+            }
+        self._touch(record, event, **changes)
+
+    def _touch(self, record: dict[str, Any], event: Any, **changes: Any) -> None:
+        record.update(changes)
+        record["revision"] += 1
+        record["updated_at"] = event.timestamp
+
+    def _refused(self, event: Any) -> None:
+        self.refusals.setdefault(str(event.originator_id), []).append(
+            {"position": self.position, **{k: getattr(event, k) for k in (
+                "operation", "generation", "error", "summary", "decided_at",
+                "heartbeat_timeout_seconds", "candidates")}}
+        )  # fmt: skip
+
+    # -- state views ----------------------------------------------------------
+
+    def runner_snapshots(self) -> list[RunnerSnapshot]:
+        snapshots = []
+        for runner in sorted(self.runners.values(), key=lambda r: r.runner_id):
+            if runner.deregistered:
+                continue
+            lease_stream = self.lease_of.get(runner.runner_id)
+            lease = self.leases.get(lease_stream) if lease_stream else None
+            snapshots.append(
+                RunnerSnapshot.model_construct(
+                    id=runner.runner_id,
+                    pool_name=runner.pool_name,
+                    backend_kind=runner.backend_kind,
+                    architecture=runner.architecture,
+                    capabilities=frozenset(runner.capabilities),
+                    allocatable=Capacity.of(runner.allocatable),
+                    reserved=Capacity.of(runner.reserved),
+                    drain_phase=runner.drain_phase,
+                    last_heartbeat_at=lease.last_heartbeat_at if lease else None,
+                    artifact_digests=tuple(lease.artifact_digests) if lease else (),
+                    materializations=tuple(
+                        MaterializationSnapshot.from_record(m) for m in lease.materializations
+                    )
+                    if lease
+                    else (),
+                    supported_egress_contexts=tuple(runner.supported_egress_contexts),
+                    guest_protocol_minimum=runner.guest_protocol_minimum,
+                    guest_protocol_maximum=runner.guest_protocol_maximum,
+                )
+            )
+        return snapshots
+
+    def assignment_records(self) -> list[dict[str, Any]]:
+        records = []
+        for sandbox in sorted(self.sandboxes.values(), key=lambda s: s.sandbox_id):
+            for generation in sorted(sandbox.assignments):
+                records.append(sandbox.assignments[generation])
+        return records
+
+    def reservation_key(self, sandbox_id: str, generation: int) -> str:
+        return reservation_key(sandbox_id, generation)

@@ -1,0 +1,76 @@
+"""The RefusalLog aggregate: evidence of placements the scheduler refused.
+
+A refused ``create_sandbox`` or ``schedule`` reserves nothing, but an auditor must still
+be able to see why. Each sandbox id has a refusal log of its own (so recording a
+refusal never contends with the sandbox's or a runner's stream). A refusal is recorded
+when its reasons differ from the last one recorded for the same operation and
+generation, so a caller retrying against the same obstacle does not grow the log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from eventsourcing.domain import Aggregate
+
+from domain.ids import refusal_log_uuid
+from domain.placement import RunnerEvaluation, summarize_refusals
+
+OPERATION_CREATE = "create_sandbox"
+OPERATION_SCHEDULE = "schedule"
+
+
+class RefusalLog(Aggregate):
+    class Opened(Aggregate.Created):
+        sandbox_id: str
+
+    def __init__(self, sandbox_id: str) -> None:
+        self.sandbox_id = sandbox_id
+        self.last: dict[str, list[Any]] = {}
+
+    @classmethod
+    def open(cls, sandbox_id: str, at: datetime) -> RefusalLog:
+        return cls._create(
+            cls.Opened, id=refusal_log_uuid(sandbox_id), timestamp=at, sandbox_id=sandbox_id
+        )
+
+    class Refused(Aggregate.Event):
+        operation: str
+        generation: int
+        error: str
+        summary: str
+        decided_at: datetime
+        heartbeat_timeout_seconds: float
+        candidates: list[dict[str, Any]]
+
+        def apply(self, log: RefusalLog) -> None:
+            log.last[f"{self.operation}#{self.generation}"] = self.candidates
+
+    def refuse(
+        self,
+        *,
+        operation: str,
+        generation: int,
+        error: str,
+        evaluations: Sequence[RunnerEvaluation],
+        decided_at: datetime,
+        heartbeat_timeout: timedelta,
+    ) -> bool:
+        """Record a refusal unless its reasons equal the last one of this operation."""
+        candidates = [evaluation.to_record() for evaluation in evaluations]
+        if self.last.get(f"{operation}#{generation}") == candidates:
+            return False
+        self.trigger_event(
+            self.Refused,
+            timestamp=decided_at,
+            operation=operation,
+            generation=generation,
+            error=error,
+            summary=summarize_refusals(evaluations),
+            decided_at=decided_at,
+            heartbeat_timeout_seconds=heartbeat_timeout.total_seconds(),
+            candidates=candidates,
+        )
+        return True

@@ -1,0 +1,350 @@
+"""Audit replay as a Python API: verify, state at a point, timelines, explanations.
+
+Everything here reads the notification log (or one stream) and folds it with
+:class:`domain.audit.AuditFold` or reads the evidence recorded with each decision: no
+aggregate cache, no projection. The CLI's ``audit`` commands print what these return.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from domain.assignment import to_durable_assignment
+from domain.audit import AuditFold, Violation
+from domain.errors import InvalidRequestError, RunnerNotFoundError, SandboxNotFoundError
+from domain.ids import lease_uuid, refusal_log_uuid, runner_uuid, sandbox_uuid
+from domain.placement import RunnerEvaluation, summarize_refusals
+from domain.values import DurableAssignment, RunnerSnapshot
+from infrastructure.application import SchedulerApplication
+
+PAGE = 1000
+Until = int | datetime | None
+
+
+def parse_until(text: str | None) -> Until:
+    """``--until``/``--at``: a notification position (integer) or an ISO time with zone."""
+    if text is None:
+        return None
+    if text.isdigit():
+        return int(text)
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise InvalidRequestError("until", "must be a position or an ISO time", text) from None
+    if moment.tzinfo is None:
+        raise InvalidRequestError("until", "an ISO time needs a zone (Z or +00:00)", text)
+    return moment
+
+
+def _events(app: SchedulerApplication, until: Until) -> Iterator[tuple[int, Any]]:
+    """(position, event) in log order, up to a position or to the first event after a time."""
+    after = 0
+    stop = until if isinstance(until, int) else None
+    while True:
+        page = app.recorder.select_notifications(
+            start=after, limit=PAGE, stop=stop, inclusive_of_start=False
+        )
+        for notification in page:
+            event: Any = app.mapper.to_domain_event(notification)
+            if isinstance(until, datetime) and event.timestamp > until:
+                return
+            yield notification.id, event
+        if len(page) < PAGE:
+            return
+        after = page[-1].id
+
+
+@dataclass
+class AuditReport:
+    events: int
+    position: int
+    seconds: float
+    raw_read_seconds: float
+    violations: list[Violation] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    @property
+    def events_per_second(self) -> float:
+        return self.events / self.seconds if self.seconds else 0.0
+
+    @property
+    def raw_events_per_second(self) -> float:
+        return self.events / self.raw_read_seconds if self.raw_read_seconds else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "events_checked": self.events,
+            "position": self.position,
+            "seconds": round(self.seconds, 3),
+            "events_per_second": round(self.events_per_second, 1),
+            "raw_read_seconds": round(self.raw_read_seconds, 3),
+            "raw_read_events_per_second": round(self.raw_events_per_second, 1),
+            "violations": [violation.to_dict() for violation in self.violations],
+        }
+
+
+def fold(
+    app: SchedulerApplication, until: Until = None, progress: Callable[[int], None] = lambda _: None
+) -> AuditFold:
+    audit = AuditFold()
+    for count, (position, event) in enumerate(_events(app, until), start=1):
+        audit.apply(position, event)
+        if count % PAGE == 0:
+            progress(PAGE)
+    audit.finish()
+    return audit
+
+
+def verify(
+    app: SchedulerApplication,
+    until: Until = None,
+    progress: Callable[[int], None] = lambda _: None,
+    measure_raw: bool = True,
+) -> AuditReport:
+    """Replay the log through the audit fold; every violation with its position and rule."""
+    raw_seconds = 0.0
+    if measure_raw:
+        started = time.perf_counter()
+        after, stop = 0, until if isinstance(until, int) else None
+        while True:
+            page = app.recorder.select_notifications(
+                start=after, limit=PAGE, stop=stop, inclusive_of_start=False
+            )
+            if len(page) < PAGE:
+                break
+            after = page[-1].id
+        raw_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    audit = fold(app, until, progress)
+    seconds = time.perf_counter() - started
+    return AuditReport(audit.events, audit.position, seconds, raw_seconds, audit.violations)
+
+
+@dataclass
+class AuditState:
+    position: int
+    runners: list[RunnerSnapshot]
+    assignments: list[DurableAssignment]
+
+
+def state_at(app: SchedulerApplication, at: Until) -> AuditState:
+    """Every runner snapshot and assignment as they stood at a position or time."""
+    audit = fold(app, at)
+    return AuditState(
+        audit.position,
+        audit.runner_snapshots(),
+        [to_durable_assignment(record) for record in audit.assignment_records()],
+    )
+
+
+@dataclass(frozen=True)
+class TimelineEntry:
+    time: datetime
+    stream: str
+    version: int
+    event: str
+    fields: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "time": self.time.isoformat(),
+            "stream": self.stream,
+            "version": self.version,
+            "event": self.event,
+            "fields": self.fields,
+        }
+
+
+_SKIP = {"originator_id", "originator_version", "timestamp", "originator_topic"}
+
+
+def _fields(event: Any) -> dict[str, Any]:
+    fields = {k: v for k, v in vars(event).items() if k not in _SKIP}
+    if "assignment" in fields:
+        record = fields.pop("assignment")
+        fields["assignment"] = {
+            k: record[k] for k in ("id", "generation", "runner_id", "state", "capacity")
+        }
+    if "placement" in fields:
+        placement = fields.pop("placement")
+        runner = placement.get("runner", {})
+        fields["placement"] = {
+            "home_runner_id": placement.get("home_runner_id"),
+            "heartbeat": runner.get("last_heartbeat_at"),
+            "reserved_before": runner.get("reserved"),
+            "attempt": placement.get("attempt"),
+        }
+    if "home_decision" in fields:
+        decision = fields.pop("home_decision")
+        fields["home_decision"] = summarize_refusals(
+            [RunnerEvaluation.from_record(c) for c in decision["candidates"]]
+        )
+    if "candidates" in fields:
+        fields["candidates"] = len(fields["candidates"])
+    return {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in fields.items()}
+
+
+def timeline(
+    app: SchedulerApplication, *, sandbox_id: str | None = None, runner_id: str | None = None
+) -> list[TimelineEntry]:
+    """One sandbox's (with its refusals) or one runner's (with its lease) history."""
+    if (sandbox_id is None) == (runner_id is None):
+        raise InvalidRequestError("sandbox_id", "give exactly one of sandbox_id or runner_id")
+    if sandbox_id is not None:
+        streams = {"sandbox": sandbox_uuid(sandbox_id), "refusals": refusal_log_uuid(sandbox_id)}
+    else:
+        assert runner_id is not None
+        streams = {"runner": runner_uuid(runner_id), "lease": lease_uuid(runner_id)}
+    entries = []
+    for label, stream in streams.items():
+        stream_events: list[Any] = list(app.events.get(stream))
+        for event in stream_events:
+            entries.append(
+                TimelineEntry(
+                    event.timestamp,
+                    label,
+                    event.originator_version,
+                    type(event).__qualname__,
+                    _fields(event),
+                )
+            )
+    if not entries:
+        if sandbox_id is not None:
+            raise SandboxNotFoundError(sandbox_id)
+        raise RunnerNotFoundError(str(runner_id))
+    return sorted(entries, key=lambda e: (e.time, e.stream != "sandbox", e.version))
+
+
+@dataclass
+class CandidateLine:
+    runner_id: str
+    verdict: str  # "chosen", "compatible, ranked lower", "refused"
+    reasons: list[dict[str, Any]]
+    rank: dict[str, int] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "runner_id": self.runner_id,
+            "verdict": self.verdict,
+            "reasons": self.reasons,
+            "rank": self.rank,
+        }
+
+
+@dataclass
+class Decision:
+    title: str
+    decided_at: datetime
+    heartbeat_timeout_seconds: float
+    summary: str
+    candidates: list[CandidateLine]
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "title": self.title,
+            "decided_at": self.decided_at.isoformat(),
+            "heartbeat_timeout_seconds": self.heartbeat_timeout_seconds,
+            "summary": self.summary,
+            "candidates": [c.to_dict() for c in self.candidates],
+            "detail": self.detail,
+        }
+
+
+@dataclass
+class Explanation:
+    sandbox_id: str
+    decisions: list[Decision]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"sandbox_id": self.sandbox_id, "decisions": [d.to_dict() for d in self.decisions]}
+
+
+def _decision(title: str, record: dict[str, Any], chosen: str | None, **detail: Any) -> Decision:
+    evaluations = [RunnerEvaluation.from_record(c) for c in record["candidates"]]
+    lines = []
+    for candidate, evaluation in zip(record["candidates"], evaluations, strict=True):
+        if evaluation.runner_id == chosen:
+            verdict = "chosen"
+        elif evaluation.compatible:
+            verdict = "compatible, ranked lower"
+        else:
+            verdict = "refused"
+        lines.append(
+            CandidateLine(
+                evaluation.runner_id,
+                verdict,
+                [failure.to_record() for failure in evaluation.failures],
+                candidate.get("rank"),
+            )
+        )
+    order = {"chosen": 0, "compatible, ranked lower": 1, "refused": 2}
+    lines.sort(key=lambda line: (order[line.verdict], line.runner_id))
+    return Decision(
+        title,
+        record["decided_at"],
+        record["heartbeat_timeout_seconds"],
+        summarize_refusals(evaluations),
+        lines,
+        detail,
+    )
+
+
+def explain(
+    app: SchedulerApplication, sandbox_id: str, generation: int | None = None
+) -> Explanation:
+    """Why this home runner, why each generation's runner, why each refusal."""
+    events: list[Any] = list(app.events.get(sandbox_uuid(sandbox_id)))
+    refusals: list[Any] = list(app.events.get(refusal_log_uuid(sandbox_id)))
+    if not events and not refusals:
+        raise SandboxNotFoundError(sandbox_id)
+    decisions: list[Decision] = []
+    timed: list[tuple[datetime, int, Decision]] = []
+    for event in events:
+        name = type(event).__qualname__
+        if name == "Sandbox.Created" and generation is None:
+            decision = event.home_decision
+            timed.append((event.timestamp, 0, _decision(
+                f"home runner chosen by create_sandbox: {decision['chosen_runner_id']}",
+                decision, decision["chosen_runner_id"],
+                pool=event.requirements["pool_name"],
+                architecture=event.requirements["architecture"],
+            )))  # fmt: skip
+        elif name == "Sandbox.AssignmentFenced":
+            record, placement = event.assignment, event.placement
+            if generation is not None and record["generation"] != generation:
+                continue
+            runner = placement["runner"]
+            timed.append((event.timestamp, 1, _decision(
+                f"generation {record['generation']}: assignment {record['id']} fenced on "
+                f"home runner {record['runner_id']} (attempt {placement.get('attempt', 0)})",
+                placement, record["runner_id"],
+                heartbeat=runner["last_heartbeat_at"], reserved_before=runner["reserved"],
+                allocatable=runner["allocatable"], requested=placement["requested"],
+                runner_version=placement["runner_version"],
+                lease_version=placement["lease_version"],
+            )))  # fmt: skip
+    for event in refusals:
+        if type(event).__qualname__ != "RefusalLog.Refused":
+            continue
+        if generation is not None and event.generation != generation:
+            continue
+        what = "create_sandbox" if event.operation == "create_sandbox" else (
+            f"schedule of generation {event.generation}")  # fmt: skip
+        record = {
+            "candidates": event.candidates,
+            "decided_at": event.decided_at,
+            "heartbeat_timeout_seconds": event.heartbeat_timeout_seconds,
+        }
+        timed.append((event.timestamp, 2, _decision(
+            f"{what} refused ({event.error})", record, None)))  # fmt: skip
+    decisions = [decision for _, _, decision in sorted(timed, key=lambda t: (t[0], t[1]))]
+    return Explanation(sandbox_id, decisions)
