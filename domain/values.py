@@ -23,6 +23,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    Strict,
     StrictBytes,
     StrictInt,
     StrictStr,
@@ -51,11 +52,25 @@ def _names_from_map(value: object) -> object:
     return value
 
 
-UTCDatetime = Annotated[AwareDatetime, AfterValidator(_to_utc)]
+def _no_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    return value
+
+
+def _no_numbers(value: object) -> object:
+    """Lax datetimes would take 0 for 1970-01-01: accept datetimes and ISO text only."""
+    if isinstance(value, (int, float)):
+        raise ValueError("must be a timezone-aware datetime, not a number")
+    return value
+
+
+UTCDatetime = Annotated[AwareDatetime, BeforeValidator(_no_numbers), AfterValidator(_to_utc)]
+Text = Annotated[StrictStr, AfterValidator(_no_nul)]
 Count = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
 ProtocolGeneration = Annotated[StrictInt, Field(ge=0, le=UINT32_MAX)]
 NameSet = Annotated[
-    frozenset[StrictStr],
+    frozenset[Text],
     BeforeValidator(_names_from_map),
     PlainSerializer(sorted, when_used="json"),
 ]
@@ -135,40 +150,40 @@ class Capacity(Value):
 class Requirements(Value):
     """Immutable ProfileRevision placement constraints."""
 
-    pool_name: StrictStr = ""
-    architecture: StrictStr = ""
+    pool_name: Text = ""
+    architecture: Text = ""
     required_capabilities: NameSet = frozenset()
     capacity: Capacity = Capacity()
     guest_protocol_generation: ProtocolGeneration = 0
-    preferred_artifact_digests: tuple[StrictStr, ...] = ()
-    egress_context: StrictStr | None = None
+    preferred_artifact_digests: tuple[Text, ...] = ()
+    egress_context: Text | None = None
 
 
 class MaterializationSnapshot(Value):
     """One revalidated local backend composition."""
 
-    backend_kind: StrictStr = ""
-    architecture: StrictStr = ""
-    runtime_digest: StrictStr = ""
-    toolchain_digest: StrictStr = ""
-    digest: StrictStr = ""
+    backend_kind: Text = ""
+    architecture: Text = ""
+    runtime_digest: Text = ""
+    toolchain_digest: Text = ""
+    digest: Text = ""
 
 
 class RunnerSnapshot(Value):
     """One durable registration and latest heartbeat view."""
 
-    id: StrictStr
-    pool_name: StrictStr = ""
-    backend_kind: StrictStr = ""
-    architecture: StrictStr = ""
+    id: Text
+    pool_name: Text = ""
+    backend_kind: Text = ""
+    architecture: Text = ""
     capabilities: NameSet = frozenset()
     allocatable: Capacity = Capacity()
     reserved: Capacity = Capacity()
-    drain_phase: StrictStr = DRAIN_PHASE_ACTIVE
+    drain_phase: Text = DRAIN_PHASE_ACTIVE
     last_heartbeat_at: UTCDatetime | None = None
-    artifact_digests: tuple[StrictStr, ...] = ()
+    artifact_digests: tuple[Text, ...] = ()
     materializations: tuple[MaterializationSnapshot, ...] = ()
-    supported_egress_contexts: tuple[StrictStr, ...] = ()
+    supported_egress_contexts: tuple[Text, ...] = ()
     guest_protocol_minimum: ProtocolGeneration = 0
     guest_protocol_maximum: ProtocolGeneration = 0
 
@@ -191,36 +206,36 @@ class DurableAssignment(Value):
     ``start_mutation_id`` (the request identity it was fenced with).
     """
 
-    id: StrictStr
-    sandbox_id: StrictStr
-    instance_id: StrictStr = ""
-    runner_id: StrictStr = ""
-    profile_revision_id: StrictStr = ""
-    backend_kind: StrictStr = ""
-    backend_reference: StrictStr = ""
+    id: Text
+    sandbox_id: Text
+    instance_id: Text = ""
+    runner_id: Text = ""
+    profile_revision_id: Text = ""
+    backend_kind: Text = ""
+    backend_reference: Text = ""
     generation: Count = 0
     fencing_token: StrictBytes = b""
-    state: StrictStr = ""
-    capability_snapshot: dict[StrictStr, StrictStr] = Field(default_factory=dict)
-    resolved_artifacts: dict[StrictStr, StrictStr] = Field(default_factory=dict)
-    release_proof: dict[StrictStr, StrictStr] = Field(default_factory=dict)
-    failure_class: StrictStr = ""
+    state: Text = ""
+    capability_snapshot: dict[Text, Text] = Field(default_factory=dict)
+    resolved_artifacts: dict[Text, Text] = Field(default_factory=dict)
+    release_proof: dict[Text, Text] = Field(default_factory=dict)
+    failure_class: Text = ""
     retry_count: Count = 0
     retry_limit: Count = 0
     operation_deadline: UTCDatetime | None = None
     claim_expires_at: UTCDatetime | None = None
-    reconcile_owner: StrictStr = ""
+    reconcile_owner: Text = ""
     reconcile_claim_expires_at: UTCDatetime | None = None
     next_reconcile_at: UTCDatetime | None = None
     revision: Count = 0
     created_at: UTCDatetime | None = None
     updated_at: UTCDatetime | None = None
-    egress_context: StrictStr | None = None
+    egress_context: Text | None = None
     capacity: Capacity = Capacity()
-    workspace_id: StrictStr = ""
-    assignment_command_id: StrictStr = ""
-    assignment_command: dict[StrictStr, StrictStr] | None = None
-    start_mutation_id: StrictStr = ""
+    workspace_id: Text = ""
+    assignment_command_id: Text = ""
+    assignment_command: dict[Text, Text] | None = None
+    start_mutation_id: Text = ""
 
 
 class ScheduleRequest(Value):
@@ -230,22 +245,22 @@ class ScheduleRequest(Value):
     built; :meth:`ensure_valid` (called by ``schedule``) refuses what is missing.
     """
 
-    assignment_id: StrictStr = ""
-    assignment_command_id: StrictStr = ""
-    instance_id: StrictStr = ""
-    sandbox_id: StrictStr = ""
-    workspace_id: StrictStr = ""
-    start_mutation_id: StrictStr = ""
-    profile_revision_id: StrictStr = ""
+    assignment_id: Text = ""
+    assignment_command_id: Text = ""
+    instance_id: Text = ""
+    sandbox_id: Text = ""
+    workspace_id: Text = ""
+    start_mutation_id: Text = ""
+    profile_revision_id: Text = ""
     requirements: Requirements = Requirements()
-    assignment_command: dict[StrictStr, StrictStr] | None = None
+    assignment_command: dict[Text, Text] | None = None
     fencing_token: StrictBytes = b""
-    resolved_artifacts: dict[StrictStr, StrictStr] = Field(default_factory=dict)
+    resolved_artifacts: dict[Text, Text] = Field(default_factory=dict)
     claim_expires_at: UTCDatetime | None = None
     operation_deadline: UTCDatetime | None = None
     retry_limit: Annotated[StrictInt, Field(le=INT64_MAX)] = 0
     serialization_retry_limit: Annotated[StrictInt, Field(le=INT64_MAX)] = 0
-    heartbeat_timeout: timedelta = timedelta(0)
+    heartbeat_timeout: Annotated[timedelta, Strict()] = timedelta(0)
     now: UTCDatetime | None = None
     effect_started_at: UTCDatetime | None = None
     plan_ready_at: UTCDatetime | None = None
@@ -263,8 +278,7 @@ class ScheduleRequest(Value):
     def ensure_valid(self) -> None:
         """SPEC section 6 step 1: raise InvalidRequestError naming the first bad field."""
         for name in self.IDENTITY_FIELDS:
-            if not getattr(self, name):
-                raise InvalidRequestError(name, "must not be empty")
+            require_text(name, getattr(self, name))
         requirements = self.requirements
         if not requirements.pool_name:
             raise InvalidRequestError("requirements.pool_name", "must not be empty")
@@ -318,12 +332,14 @@ def require_text(field: str, value: object) -> str:
         raise InvalidRequestError(field, "must be a string", value)
     if not value:
         raise InvalidRequestError(field, "must not be empty")
+    if "\x00" in value:
+        raise InvalidRequestError(field, "must not contain NUL characters")
     return value
 
 
 def require_string_map(field: str, value: object, *, non_empty: bool = False) -> dict[str, str]:
     if not isinstance(value, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+        isinstance(k, str) and isinstance(v, str) and "\x00" not in k + v for k, v in value.items()
     ):
         raise InvalidRequestError(field, "must be a mapping of str to str", value)
     if non_empty and not value:

@@ -73,7 +73,9 @@ def only(app: SchedulerApplication, position: int, rule: str) -> None:
     assert (position, rule) in found, found
 
 
-def test_invariant_1_reserved_above_allocatable(history: SchedulerApplication, clock: Clock) -> None:
+def test_invariant_1_reserved_above_allocatable(
+    history: SchedulerApplication, clock: Clock
+) -> None:
     position = append(
         history, Runner.AllocatableChanged, runner_uuid("r1"), timestamp=clock(),
         allocatable=capacity(instances=0).as_dict(),
@@ -223,7 +225,7 @@ def test_timeline_of_a_sandbox_and_a_runner(history: SchedulerApplication) -> No
 
 def test_explain_names_every_reason(app: SchedulerApplication, clock: Clock) -> None:
     """One compatible runner, and one runner failing each rule (pool aside: invisible)."""
-    base = {"at": clock()}
+    base: dict[str, Any] = {"at": clock()}
     register(app, "ok", **base)
     register(app, "arch", architecture="aarch64", **base)
     register(app, "drain", **base)
@@ -258,7 +260,9 @@ def test_explain_names_every_reason(app: SchedulerApplication, clock: Clock) -> 
     assert "1 insufficient memory_bytes" in home.summary
 
 
-def test_explain_records_refusals_without_reserving(app: SchedulerApplication, clock: Clock) -> None:
+def test_explain_records_refusals_without_reserving(
+    app: SchedulerApplication, clock: Clock
+) -> None:
     register(app, "r1", at=clock(), allocatable=capacity(instances=1))
     create_sandbox(app, "s1")
     create_sandbox(app, "s2")
