@@ -101,6 +101,7 @@ class Sandbox(Aggregate):
         self.generation = 1
         self.assignments: dict[str, dict[str, Any]] = {}
         self.fencing_tokens: list[str] = []
+        self.operation_windows: dict[str, float] = {}  # seconds, by generation
 
     @classmethod
     def create(
@@ -145,6 +146,11 @@ class Sandbox(Aggregate):
             record = dict(self.assignment)
             sandbox.assignments[str(record["generation"])] = record
             sandbox.fencing_tokens.append(record["fencing_token"])
+            if record["operation_deadline"] is not None:
+                window = record["operation_deadline"] - record["created_at"]
+                if not hasattr(sandbox, "operation_windows"):
+                    sandbox.operation_windows = {}
+                sandbox.operation_windows[str(record["generation"])] = window.total_seconds()
 
     class AssignmentRunning(Aggregate.Event):
         generation: int
@@ -239,6 +245,11 @@ class Sandbox(Aggregate):
         record["updated_at"] = at
 
     # -- queries --------------------------------------------------------------
+
+    def operation_window(self, generation: int) -> timedelta:
+        """The operation window the assignment was fenced with (first deadline - created)."""
+        windows: dict[str, float] = getattr(self, "operation_windows", {})
+        return timedelta(seconds=windows.get(str(generation), 0.0))
 
     def assignment(self, generation: int | None = None) -> dict[str, Any] | None:
         return self.assignments.get(str(self.generation if generation is None else generation))
@@ -443,7 +454,7 @@ class Sandbox(Aggregate):
                 state=STATE_ASSIGNED if retry else STATE_FAILED,
             )
             if retry and deadline is not None:  # redelivery gets a fresh operation window
-                deadline = at + (deadline - record["created_at"])
+                deadline = at + self.operation_window(generation)
         elif action == ACTION_UNCERTAIN:
             if record["state"] not in (STATE_ASSIGNED, STATE_RUNNING):
                 raise InvalidTransitionError(

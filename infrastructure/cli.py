@@ -179,9 +179,15 @@ SIMULATE_HELP = (
     "Part-way through one runner is drained (the drain is cancelled later) and another stops "
     "heartbeating, so restarts homed there are refused with the reason codes draining and "
     "heartbeat_stale.\n\n"
-    "Prints placements, replays, refusals by error and by reason code, utilisation per pool "
-    "and per runner (at the end and peak), contention retries, heartbeats recorded and "
-    "coalesced, events written and the wall time. Defaults finish in seconds on SQLite."
+    "A reconciler runs every simulated minute: a few starts are never reported running, so "
+    "it fails them with deadline_exceeded (redelivered while retries remain, then failed "
+    "terminally); the stale runner's assignments become uncertain and keep their "
+    "reservations; an operator releases failed and uncertain assignments by hand with "
+    "proof. Half-way a second, scripted reconciler races it for claims.\n\n"
+    "Prints placements, replays, refusals by error and by reason code, reconcile passes and "
+    "actions, manual releases, assignments by final state, utilisation per pool and per "
+    "runner (at the end and peak), contention retries, heartbeats recorded and coalesced, "
+    "events written and the wall time. Defaults finish in well under a minute on SQLite."
 )
 EXAMPLES_SIMULATE = (
     "[bold]Examples[/bold]\n\n"
@@ -296,6 +302,8 @@ def print_summary(result: SimulationResult, console: Console) -> None:
     overview.add_column("value")
     created = result.sandboxes_created
     heartbeats = result.heartbeats
+    reconcile = result.reconcile
+    actions = reconcile.actions
     rows = [
         (
             "simulated time",
@@ -309,7 +317,11 @@ def print_summary(result: SimulationResult, console: Console) -> None:
         ("start attempts", str(result.start_attempts)),
         ("placements", str(result.placements)),
         ("replays", f"{result.replays} (duplicate schedule requests answered idempotently)"),
-        ("releases", f"{result.releases} (generations advanced {result.generations_advanced})"),
+        (
+            "releases",
+            f"{result.releases} reported by the runners "
+            f"(generations advanced {result.generations_advanced})",
+        ),
         ("transient failures", str(result.transient_failures)),
         ("late fences rejected", f"{result.late_fences_rejected} (stale generation or token)"),
         (
@@ -317,6 +329,45 @@ def print_summary(result: SimulationResult, console: Console) -> None:
             f"{result.cycles_abandoned} (start refused {ATTEMPTS_PER_CYCLE} times)",
         ),
         ("running at the end", str(result.running_at_end)),
+        (
+            "unreported starts",
+            f"{result.starts_unreported} (never reported running within "
+            f"{reconcile.operation_deadline_seconds:.0f}s; "
+            f"{result.redelivered_starts_running} ran after a redelivery)",
+        ),
+        (
+            "reconcile passes",
+            f"{reconcile.passes} in {reconcile.rounds} rounds every "
+            f"{reconcile.interval_seconds:.0f}s ({reconcile.due} due found)",
+        ),
+        (
+            "assignments reconciled",
+            f"{reconcile.reconciled} ("
+            + ", ".join(f"{n} by {owner}" for owner, n in reconcile.reconciled_by.items())
+            + ")",
+        ),
+        (
+            "reconcile actions",
+            f"deadline_exceeded {actions.get('deadline_exceeded', 0)} "
+            f"({reconcile.redeliveries} redelivered, "
+            f"{reconcile.terminal_failures} terminal failures), "
+            f"uncertain {actions.get('uncertain', 0)}, none {actions.get('none', 0)}",
+        ),
+        (
+            "reconcile claims",
+            f"{reconcile.held_by_others} held by another reconciler, "
+            f"{reconcile.claims_lost} lost before the commit",
+        ),
+        (
+            "manual releases",
+            f"{result.manual_releases} with operator proof ("
+            + ", ".join(f"{n} {state}" for state, n in result.manual_releases_by_state.items())
+            + ")",
+        ),
+        (
+            "assignments by state",
+            ", ".join(f"{state} {n}" for state, n in result.assignment_states.items()),
+        ),
         (
             "drained runner",
             f"{result.drained_runner or '-'} "
@@ -333,7 +384,7 @@ def print_summary(result: SimulationResult, console: Console) -> None:
         ("events written", f"{result.events_written} ({result.events_in_store} in the store)"),
         (
             "ledger check",
-            "reservations match the store"
+            "reservations match the store and the unreleased assignments"
             if result.ledger_matches_store
             else "[red]reservations DIFFER from the store[/red]",
         ),
@@ -902,6 +953,75 @@ def audit_explain(
             console.print(f"  {line.runner_id:<16} {line.verdict:<26} {escape(reasons or rank)}")
 
 
+# -- verify ------------------------------------------------------------------------------
+
+
+@cli.command(
+    "verify",
+    help=(
+        "Jepsen-style check of the scheduler's promises on PostgreSQL: N worker processes "
+        "schedule, release, drain, heartbeat and reconcile concurrently over one fleet with "
+        "hot spots, journaling every acknowledged result; random workers are SIGKILLed and "
+        "restarted (--kill-workers), PostgreSQL may be restarted mid-run "
+        "(--restart-postgres). Then: audit verify is clean, every acknowledged schedule is "
+        "in the store unchanged, interrupted requests retried get the same assignment, and "
+        "the read models equal a rebuild. Runs in a fresh database it creates (and drops "
+        "unless --keep). Exits 1 on any violation.\n\n[bold]Examples[/bold]\n\n"
+        "  secondbox-scheduler verify --workers 4 --duration 60 --kill-workers 3\n"
+        "  secondbox-scheduler verify --workers 4 --duration 300 --kill-workers 10 "
+        "--restart-postgres"
+    ),
+)
+def verify_command(
+    database_url: Annotated[
+        str,
+        typer.Option(
+            "--database-url", envvar=DATABASE_URL,
+            help="A PostgreSQL server (any database on it): the run creates its own database.",
+        ),
+    ] = "postgresql://postgres@127.0.0.1:5432/postgres",
+    workers: Annotated[int, typer.Option("--workers", min=1)] = 4,
+    duration: Annotated[float, typer.Option("--duration", min=1.0, help="Seconds.")] = 30.0,
+    kill_workers: Annotated[int, typer.Option("--kill-workers", min=0)] = 0,
+    restart_postgres: Annotated[bool, typer.Option("--restart-postgres")] = False,
+    runners: Annotated[int, typer.Option("--runners", min=2)] = 6,
+    sandboxes: Annotated[int, typer.Option("--sandboxes", min=1)] = 120,
+    seed: Annotated[int, typer.Option("--seed")] = 7,
+    keep: Annotated[bool, typer.Option("--keep", help="Keep the database afterwards.")] = False,
+    journal_dir: Annotated[
+        str, typer.Option("--journal-dir", help="Where the workers' journals go.")
+    ] = "verify-run",
+    as_json: JsonOutput = False,
+) -> None:
+    from pathlib import Path
+
+    from infrastructure.verify import VerifyConfig, run_verify
+
+    err = Console(stderr=True, highlight=False)
+    config = VerifyConfig(
+        database_url=database_url, workers=workers, duration=duration, runners=runners,
+        sandboxes=sandboxes, kill_workers=kill_workers, restart_postgres=restart_postgres,
+        seed=seed, keep=keep, directory=Path(journal_dir),
+    )  # fmt: skip
+    with _reported_errors(), _store_errors(database_url):
+        try:
+            report = run_verify(config, say=(lambda _: None) if as_json else err.print)
+        except ValueError as error:
+            raise CommandError(str(error)) from None
+    if as_json:
+        _print_json(report.to_dict())
+    else:
+        console = _stdout()
+        for key, value in report.to_dict().items():
+            if key != "violations":
+                console.print(f"{key:<24} {value}")
+        for violation in report.violations:
+            console.print(f"[red]violation[/red] {escape(violation)}")
+        console.print("[green]OK[/green]" if report.ok else "[red]FAILED[/red]")
+    if not report.ok:
+        raise typer.Exit(1)
+
+
 # -- lifecycle ---------------------------------------------------------------------------
 
 
@@ -1017,11 +1137,103 @@ def release_by_hand(
 
 # -- bench -------------------------------------------------------------------------------
 
-bench_cli = typer.Typer(
-    help="Benchmarks that print figures (never timed tests). See docs/performance.md.",
-    no_args_is_help=True,
+BENCH_HELP = (
+    "Benchmarks that print figures (never timed tests). See docs/performance.md.\n\n"
+    "Without a subcommand: the scheduler benchmark. It creates a fresh database (a new "
+    "database on the local PostgreSQL server, or a new schema in the database of "
+    "--database-url, or a new SQLite file), dropped at the end unless --keep, and "
+    "measures: (1) the raw eventsourcing baseline, new aggregates saved one and two per "
+    "transaction by W worker processes; (2) placement throughput of W workers scheduling "
+    "over R runners with spare capacity; (3) contention, every sandbox homed on 4 runners; "
+    "(4) select_runner and create_sandbox over 100, 1,000 and 10,000 runners; (5) loading "
+    "a runner after 10, 1,000 and 100,000 events; (6) projection rebuild and audit verify "
+    "against the raw notification read rate. Prints a table per measurement and each "
+    "goal as met or not met.\n\n"
+    "[bold]Examples[/bold]\n\n"
+    "  secondbox-scheduler bench\n"
+    "  secondbox-scheduler bench --quick --json\n"
+    "  secondbox-scheduler bench --quick --database-url sqlite:////tmp/bench-new.db\n"
+    "  secondbox-scheduler bench --only raw,placement --workers 2"
 )
+
+bench_cli = typer.Typer(help=BENCH_HELP, invoke_without_command=True)
 cli.add_typer(bench_cli, name="bench")
+
+
+@bench_cli.callback(invoke_without_command=True)
+def bench(
+    ctx: typer.Context,
+    database_url: Annotated[
+        str | None,
+        typer.Option(
+            "--database-url",
+            help=(
+                "Run elsewhere than in a new database on the local PostgreSQL server: "
+                "postgresql://... (a new schema in that database) or sqlite:////new/file.db "
+                "(a file that must not exist yet)."
+            ),
+        ),
+    ] = None,
+    workers: Annotated[int, typer.Option("--workers", min=1, help="Worker processes (W).")] = 4,
+    runners: Annotated[
+        int | None,
+        typer.Option(
+            "--runners",
+            min=1,
+            help="Runners of the placement run (R): 1000, or 200 with --quick.",
+        ),
+    ] = None,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="Smaller sizes and shorter runs (under a minute).")
+    ] = False,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of every random choice.")] = 7,
+    seconds: Annotated[
+        float | None,
+        typer.Option(
+            "--seconds", min=0.1, help="Length of each timed run (raw, placement, contention)."
+        ),
+    ] = None,
+    only: Annotated[
+        str | None,
+        typer.Option(
+            "--only",
+            help="Comma-separated sections: raw,placement,contention,selection,history,replay.",
+        ),
+    ] = None,
+    keep: Annotated[
+        bool, typer.Option("--keep", help="Keep the benchmark's database for inspection.")
+    ] = False,
+    as_json: JsonOutput = False,
+) -> None:
+    if ctx.invoked_subcommand is not None:
+        return
+    from infrastructure.bench import SECTIONS, BenchSettings, run_bench
+    from infrastructure.bench_report import print_report
+    from infrastructure.bench_workers import BenchError
+
+    sections = SECTIONS if only is None else tuple(p.strip() for p in only.split(",") if p.strip())
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown or not sections:
+        _fail(f"--only takes sections among {', '.join(SECTIONS)}; got {only!r}")
+    settings = BenchSettings.make(
+        quick=quick, workers=workers, runners=runners, seed=seed, seconds=seconds,
+        sections=sections,
+    )  # fmt: skip
+    err = Console(stderr=True, highlight=False)
+    try:
+        with _reported_errors():
+            report = run_bench(
+                settings,
+                database_url,
+                keep=keep,
+                progress=(lambda _: None) if as_json else (lambda m: err.print(f"[dim]{m}…[/dim]")),
+            )
+    except BenchError as error:
+        _fail(escape(str(error)))
+    if as_json:
+        _print_json(report)
+    else:
+        print_report(report, _stdout())
 
 
 @bench_cli.command(

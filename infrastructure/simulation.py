@@ -17,10 +17,27 @@ advances its generation and idles 30 s - 3 min before its next start; after its 
 start it stays running, so the final utilisation shows a loaded fleet. A refused
 start is retried a minute later, at most three attempts per cycle. The run ends when
 every sandbox has made its last start attempt.
+
+Assignment lifecycle and reconciliation: a start must be reported running within its
+operation deadline (a minute). During the first 35 % of the start attempts a few placed
+starts are never reported running, and no start on a runner that stopped heartbeating
+is. A :class:`SimulationReconciler` ("simulator-reconciler") makes a pass every
+simulated minute: it fails unreported starts with ``deadline_exceeded``, which
+redelivers them while retries remain (some are then reported running) and fails them
+terminally past the retry limit; the stale runner's assignments become ``uncertain``
+and keep their reservations (a running sandbox there cannot report its stop). An
+operator (the simulation) releases failed and uncertain assignments by hand with proof
+one pass after noticing them, and the sandbox moves on to its next generation. Half-way
+through, a scripted peer reconciler ("simulator-peer") wins the claim race for a few
+due assignments (held by others, for the simulator's reconciler) and once pauses past
+its claim's expiry, so that its late commit is refused (a lost claim). Whatever is
+still unreported, failed or uncertain at the end keeps its reservation; the ledger
+check covers it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 import time
@@ -31,8 +48,22 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from domain.errors import PlacementError, SchedulerError, StaleFenceError
+from domain.assignment import (
+    STATE_ASSIGNED,
+    STATE_FAILED,
+    STATE_RELEASED,
+    STATE_UNCERTAIN,
+    STATES,
+)
+from domain.errors import (
+    PlacementError,
+    ReconcileClaimError,
+    RunnerNotFoundError,
+    SchedulerError,
+    StaleFenceError,
+)
 from domain.placement import REASON_CODES
+from domain.reconcile import ACTION_DEADLINE_EXCEEDED, ACTIONS, ReconcileDecision, decide_reconcile
 from domain.values import (
     Capacity,
     DurableAssignment,
@@ -42,7 +73,13 @@ from domain.values import (
     ScheduleRequest,
 )
 from infrastructure.application import SchedulerApplication
-from infrastructure.settings import DATABASE_URL, DEFAULT_SQLITE_URL, settings_from_url
+from infrastructure.reconciler import Reconciler, ReconcileReport
+from infrastructure.settings import (
+    DATABASE_URL,
+    DEFAULT_SQLITE_URL,
+    READ_MODELS,
+    settings_from_url,
+)
 
 GIB = 2**30
 SIM_START = datetime(2026, 1, 5, 9, 0, tzinfo=UTC)
@@ -58,12 +95,26 @@ ASSIGNMENT_RETRY_LIMIT = 3
 REPLAY_PROBABILITY = 0.08  # the start command is delivered twice
 TRANSIENT_FAILURE_PROBABILITY = 0.05  # the runner reports a transport failure once
 LATE_FENCE_PROBABILITY = 0.10  # a late message of the previous generation arrives
+OPERATION_DEADLINE = timedelta(minutes=1)  # a start must be reported running by then
+UNREPORTED_START_PROBABILITY = 0.08  # the runner never reports a start running
+RECOVERY_PROBABILITY = 0.35  # a redelivered unreported start is then reported running
+
+# Reconciliation: one pass a simulated minute, by one reconciler (and a scripted peer).
+RECONCILE_TICKS = 12
+RECONCILE_INTERVAL = timedelta(seconds=60)
+RECONCILE_CLAIM_TTL = timedelta(seconds=60)
+RECONCILER_OWNER = "simulator-reconciler"
+PEER_OWNER = "simulator-peer"
+PEER_RACES = 3  # due assignments the peer claims just before the reconciler does
+OPERATOR = "simulator"  # who releases failed and uncertain assignments by hand
 
 # When, by the share of start attempts made, the scripted incidents happen.
 DRAIN_AT = 0.25
 STALE_AT = 0.40
 ROLLOUT_AT = 0.55
 CANCEL_DRAIN_AT = 0.75
+PEER_AT = 0.50
+UNREPORTED_UNTIL = 0.35  # later starts are all reported, or they would outlast the run
 
 BACKENDS = ("firecracker", "cloud-hypervisor")
 X86, ARM = "x86_64", "aarch64"
@@ -367,6 +418,26 @@ class PoolUse:
 
 
 @dataclass(frozen=True)
+class ReconcileUse:
+    """What the reconcilers did, both of them together unless named."""
+
+    interval_seconds: float  # simulated time between rounds (and between two looks)
+    operation_deadline_seconds: float
+    rounds: int  # reconcile rounds, each of passes until nothing is due
+    passes: int  # the reconciler's passes (due reads)
+    due: int  # due assignments found, pass after pass (one may be found again)
+    reconciled: int  # results committed
+    reconciled_by: dict[str, int]  # owner -> results committed
+    actions: dict[str, int]  # none, deadline_exceeded, uncertain
+    redeliveries: int  # deadline_exceeded with retries left: assigned again, fresh window
+    terminal_failures: int  # deadline_exceeded past the retry limit: failed
+    held_by_others: int  # claims refused because another owner held one
+    claims_lost: int  # results refused because the claim was no longer current
+    no_longer_due: int
+    stale: int
+
+
+@dataclass(frozen=True)
 class SimulationResult:
     """What one simulation did; every field but ``wall_seconds`` depends only on the inputs."""
 
@@ -386,6 +457,12 @@ class SimulationResult:
     late_fences_rejected: int
     cycles_abandoned: int
     running_at_end: int
+    starts_unreported: int  # placed starts the runner never reported running
+    redelivered_starts_running: int  # of those, reported running after a redelivery
+    manual_releases: int  # released by hand by the operator, with proof
+    manual_releases_by_state: dict[str, int]  # the state they were released from
+    assignment_states: dict[str, int]  # every assignment of the run by its final state
+    reconcile: ReconcileUse
     refusals: dict[str, dict[str, int]]  # operation -> error type -> count
     refusal_reasons: dict[str, dict[str, int]]  # operation -> reason code -> count
     drained_runner: str
@@ -396,7 +473,8 @@ class SimulationResult:
     heartbeats: dict[str, int]  # sent, recorded, coalesced and every outcome
     events_written: int
     events_in_store: int
-    ledger_matches_store: bool
+    ledger_matches_store: bool  # reserved = what the run placed minus what it released
+    # = the capacity of every unreleased assignment, on every runner
     pools: list[PoolUse]
     runner_use: list[RunnerUse]
     wall_seconds: float
@@ -443,11 +521,16 @@ class _Sandbox:
     starts_left: int
     home: str = ""
     generation: int = 1
-    phase: str = "arriving"  # arriving, starting, running, idle, done, refused
+    # arriving, starting, running, idle, done, refused; and waiting for the reconciler
+    # and the operator: unreported (placed, never reported running) or lost (running
+    # on a runner that stopped heartbeating, so its stop cannot be reported)
+    phase: str = "arriving"
     attempts: int = 0
     next_tick: int = 0
-    running_token: bytes = b""
+    running_token: bytes = b""  # the current generation's fencing token once placed
     previous_token: bytes = b""
+    retries_seen: int = 0  # the assignment's retry_count when last looked at
+    noticed: str = ""  # the failed or uncertain state the operator has seen
 
 
 @dataclass
@@ -478,6 +561,70 @@ class _Ledger:
             if any(held[dim] != amount for dim, amount in snapshot.reserved.as_dict().items()):
                 return False
         return True
+
+
+class SimulationReconciler(Reconciler):
+    """The simulation's :class:`Reconciler`: the same passes on simulated time, but
+
+    - it sees only the run's own sandboxes (ids starting with ``prefix``), so a run
+      appended to a store never reconciles another run's assignments;
+    - it tells a ``deadline_exceeded`` redelivery from a terminal failure;
+    - ``before_claim`` (when set) runs between reading the due list and claiming each
+      due assignment: where another reconciler process could get in first.
+    """
+
+    def __init__(self, app: SchedulerApplication, owner: str, prefix: str = "") -> None:
+        super().__init__(
+            app,
+            owner,
+            heartbeat_timeout=HEARTBEAT_TIMEOUT,
+            claim_ttl=RECONCILE_CLAIM_TTL,
+            interval=RECONCILE_INTERVAL,
+        )
+        self.prefix = prefix
+        self.redeliveries = 0
+        self.terminal_failures = 0
+        self.before_claim: Callable[[DurableAssignment], None] | None = None
+
+    def run_once(self) -> tuple[int, int]:
+        if not self.prefix:
+            return super().run_once()
+        read_models = self.app.current_read_models()
+        assert read_models is not None
+        found = read_models.assignments.due_for_reconcile(self.app.now(), limit=2**31)
+        due = [a for a in found if a.sandbox_id.startswith(self.prefix)][: self.batch]
+        self.report.passes += 1
+        self.report.due += len(due)
+        done = sum(self._reconcile(assignment) for assignment in due)
+        return len(due), done
+
+    def reconcile(self, due: DurableAssignment) -> int:
+        """Claim, decide, commit and release one assignment: 1 if a result was committed."""
+        return self._reconcile(due)
+
+    def _reconcile(self, due: DurableAssignment) -> int:
+        if self.before_claim is not None:
+            self.before_claim(due)
+        exceeded = self.report.actions[ACTION_DEADLINE_EXCEEDED]
+        done = super()._reconcile(due)
+        if self.report.actions[ACTION_DEADLINE_EXCEEDED] > exceeded:
+            current = self.app.get_assignment(due.sandbox_id, due.generation)
+            if current is not None and current.state == STATE_FAILED:
+                self.terminal_failures += 1
+            else:
+                self.redeliveries += 1
+        return done
+
+
+def _no_sleep(_: float) -> None:
+    """Reconcile passes take no simulated time."""
+
+
+@dataclass
+class _PausedClaim:
+    due: DurableAssignment
+    decision: ReconcileDecision
+    until: datetime
 
 
 class FleetSimulation:
@@ -516,6 +663,15 @@ class FleetSimulation:
         self.refusals: dict[str, Counter[str]] = {op: Counter() for op in operations}
         self.reasons: dict[str, Counter[str]] = {op: Counter() for op in operations}
         self.counts: Counter[str] = Counter()
+        self.manual_releases: Counter[str] = Counter()  # by the state released from
+        self.reconciler = SimulationReconciler(app, RECONCILER_OWNER, prefix)
+        self.reconciler.before_claim = self.peer_before_claim
+        self.peer = SimulationReconciler(app, PEER_OWNER, prefix)
+        self.peer_started = False
+        self.peer_races_left = 0
+        self.peer_pauses_left = 0
+        self.peer_won: list[DurableAssignment] = []
+        self.peer_paused: list[_PausedClaim] = []
 
     # -- set-up ----------------------------------------------------------------
 
@@ -598,7 +754,7 @@ class FleetSimulation:
         for sandbox in self.sandboxes.values():
             if sandbox.home != runner_id:
                 continue
-            if sandbox.phase == "running":
+            if sandbox.phase in ("running", "unreported", "lost"):
                 total += sandbox.starts_left  # the next start follows a full run and idle
             elif sandbox.phase in ("idle", "starting"):
                 soon = sandbox.next_tick < not_before
@@ -630,6 +786,116 @@ class FleetSimulation:
         ):
             self.app.cancel_drain(self.drained_runner)
             self.drain_cancelled = True
+        if not self.peer_started and share >= PEER_AT:
+            self.peer_started = True  # a second reconciler process joins, for a while
+            self.peer_races_left = PEER_RACES
+            self.peer_pauses_left = 1
+
+    # -- reconciliation and the operator ---------------------------------------
+
+    def reconcile(self) -> None:
+        """One reconcile round (passes until nothing is due), the peer's part, the operator's."""
+        self.counts["reconcile_rounds"] += 1
+        self.reconciler.drain(sleep=_no_sleep)
+        for due in self.peer_won:  # the peer finishes what it claimed first
+            self.peer.reconcile(due)
+        self.peer_won.clear()
+        self.peer_wake()
+        self.operate()
+
+    def peer_before_claim(self, due: DurableAssignment) -> None:
+        """Between the reconciler's due read and its claim, the scripted peer may claim first:
+        a few times to win the race (it commits after the pass), once to pause with the
+        claim past its expiry (see :meth:`peer_wake`), on a sandbox that will not move."""
+        sandbox = self.sandboxes.get(due.sandbox_id)
+        if self.peer_races_left > 0:
+            self.peer_races_left -= 1
+            self.peer_claim(due)
+            self.peer_won.append(due)
+        elif (
+            self.peer_pauses_left > 0
+            and sandbox is not None
+            and sandbox.phase == "running"
+            and sandbox.starts_left == 0
+            and sandbox.home not in self.silent
+        ):
+            self.peer_pauses_left -= 1
+            until = self.peer_claim(due)
+            current = self.app.get_assignment(due.sandbox_id, due.generation)
+            assert current is not None
+            try:
+                home: RunnerSnapshot | None = self.app.fold_runner(current.runner_id)
+            except RunnerNotFoundError:
+                home = None
+            decision = decide_reconcile(
+                current, home, self.now(), HEARTBEAT_TIMEOUT, RECONCILE_INTERVAL
+            )
+            self.peer_paused.append(_PausedClaim(due, decision, until))
+
+    def peer_claim(self, due: DurableAssignment) -> datetime:
+        until = self.now() + RECONCILE_CLAIM_TTL
+        claimed = self.app.claim_reconcile(due.sandbox_id, due.generation, PEER_OWNER, until)
+        assert claimed, f"{due.sandbox_id} was claimed by someone else"
+        return until
+
+    def peer_wake(self) -> None:
+        """The paused peer wakes after its claim expired (and the reconciler took the
+        assignment over) and tries to commit its old decision: refused."""
+        now = self.now()
+        for paused in [p for p in self.peer_paused if p.until <= now]:
+            self.peer_paused.remove(paused)
+            sandbox_id, generation = paused.due.sandbox_id, paused.due.generation
+            try:
+                self.app.record_reconcile(sandbox_id, generation, PEER_OWNER, paused.decision)
+                self.peer.report.actions[paused.decision.action] += 1
+            except ReconcileClaimError:
+                self.peer.report.claims_lost += 1
+            except StaleFenceError:
+                self.peer.report.stale += 1
+            finally:
+                with contextlib.suppress(SchedulerError):
+                    self.app.release_reconcile_claim(sandbox_id, generation, PEER_OWNER)
+
+    def operate(self) -> None:
+        """The operator's round: look at every assignment that waits on the reconciler."""
+        for sandbox in self.sandboxes.values():
+            lost = sandbox.phase == "running" and sandbox.home in self.silent
+            if lost or sandbox.phase in ("unreported", "lost"):
+                self.look_at(sandbox)
+
+    def look_at(self, sandbox: _Sandbox) -> None:
+        """Release a failed or uncertain assignment by hand one round after noticing it;
+        a redelivered unreported start may now be reported running."""
+        assignment = self.app.get_assignment(sandbox.sandbox_id, sandbox.generation)
+        assert assignment is not None
+        if assignment.state in (STATE_FAILED, STATE_UNCERTAIN):
+            if sandbox.noticed == assignment.state:
+                self.release_by_hand(sandbox, assignment)
+            else:
+                sandbox.noticed = assignment.state
+        elif (
+            sandbox.phase == "unreported"
+            and assignment.state == STATE_ASSIGNED
+            and assignment.retry_count > sandbox.retries_seen
+        ):
+            sandbox.retries_seen = assignment.retry_count  # the reconciler redelivered it
+            if sandbox.home not in self.silent and self.rng.random() < RECOVERY_PROBABILITY:
+                self.counts["redelivered_starts_running"] += 1
+                self.report_running(sandbox)
+
+    def release_by_hand(self, sandbox: _Sandbox, assignment: DurableAssignment) -> None:
+        reason = {
+            STATE_FAILED: "start never reported running; the runner holds no compute for it",
+            STATE_UNCERTAIN: "home runner stopped heartbeating; the host was confirmed gone",
+        }[assignment.state]
+        proof = {"operator": OPERATOR, "reason": reason, "released_at": self.now().isoformat()}
+        released = self.app.release(
+            sandbox.sandbox_id, sandbox.generation, assignment.fencing_token, proof
+        )
+        assert released
+        self.manual_releases[assignment.state] += 1
+        self.ledger.change(assignment.runner_id, assignment.capacity, -1)
+        self.next_generation(sandbox)
 
     # -- refusals --------------------------------------------------------------
 
@@ -684,7 +950,7 @@ class FleetSimulation:
             fencing_token=token,
             resolved_artifacts=artifacts,
             claim_expires_at=now + timedelta(seconds=30),
-            operation_deadline=now + timedelta(minutes=5),
+            operation_deadline=now + OPERATION_DEADLINE,
             retry_limit=ASSIGNMENT_RETRY_LIMIT,
             serialization_retry_limit=SERIALIZATION_RETRY_LIMIT,
             heartbeat_timeout=HEARTBEAT_TIMEOUT,
@@ -718,10 +984,23 @@ class FleetSimulation:
 
     def run(self, sandbox: _Sandbox, assignment: DurableAssignment) -> None:
         token = assignment.fencing_token
+        sandbox.running_token = token
+        sandbox.retries_seen = 0
+        self.end_cycle(sandbox)
+        unreported = self.share_done < UNREPORTED_UNTIL and (
+            self.rng.random() < UNREPORTED_START_PROBABILITY
+        )
+        if sandbox.home in self.silent or unreported:
+            sandbox.phase = "unreported"  # left to the reconciler's operation deadline
+            self.counts["starts_unreported"] += 1
+            return
         if self.rng.random() < TRANSIENT_FAILURE_PROBABILITY:
             self.app.fail(sandbox.sandbox_id, sandbox.generation, token, "transport")
             self.counts["transient_failures"] += 1
-        self.app.mark_running(sandbox.sandbox_id, sandbox.generation, token)
+        self.report_running(sandbox)
+
+    def report_running(self, sandbox: _Sandbox) -> None:
+        self.app.mark_running(sandbox.sandbox_id, sandbox.generation, sandbox.running_token)
         if sandbox.previous_token and self.rng.random() < LATE_FENCE_PROBABILITY:
             try:  # a late message of the previous generation is fenced out
                 self.app.mark_running(
@@ -729,9 +1008,7 @@ class FleetSimulation:
                 )
             except StaleFenceError:
                 self.counts["late_fences_rejected"] += 1
-        sandbox.running_token = token
         sandbox.phase = "running"
-        self.end_cycle(sandbox)
         if sandbox.starts_left > 0:  # after its last start a sandbox stays running
             self.at(self.tick + self.rng.randint(*RUN_TICKS), sandbox)
 
@@ -762,17 +1039,25 @@ class FleetSimulation:
         assert released
         self.counts["releases"] += 1
         self.ledger.change(assignment.runner_id, assignment.capacity, -1)
+        self.next_generation(sandbox)
+
+    def next_generation(self, sandbox: _Sandbox) -> None:
         sandbox.generation = self.app.advance_generation(sandbox.sandbox_id, sandbox.generation)
         self.counts["generations_advanced"] += 1
         sandbox.previous_token = sandbox.running_token
         sandbox.running_token = b""
+        sandbox.retries_seen = 0
+        sandbox.noticed = ""
         self.idle(sandbox)
 
     def step(self, sandbox: _Sandbox) -> None:
         if sandbox.phase == "arriving":
             self.arrive(sandbox)
         elif sandbox.phase == "running":
-            self.stop(sandbox)
+            if sandbox.home in self.silent:
+                sandbox.phase = "lost"  # its runner cannot report the stop
+            else:
+                self.stop(sandbox)
         elif sandbox.phase in ("idle", "starting"):
             sandbox.phase = "starting"
             self.start(sandbox)
@@ -789,8 +1074,12 @@ class FleetSimulation:
             self.clock.advance(TICK)
             self.incidents()
             self.heartbeat_all()
-            due = self.calendar.pop(self.tick, [])
-            for sandbox_id in sorted(due, key=lambda s: (order[self.sandboxes[s].phase], s)):
+            if self.tick % RECONCILE_TICKS == 0:
+                self.reconcile()
+            # an entry is stale once the operator released a lost sandbox before its stop
+            entries = self.calendar.pop(self.tick, [])
+            due = {s for s in entries if self.sandboxes[s].next_tick == self.tick}
+            for sandbox_id in sorted(due, key=lambda s: (order.get(self.sandboxes[s].phase, 3), s)):
                 self.step(self.sandboxes[sandbox_id])
 
 
@@ -814,7 +1103,8 @@ def run_simulation(
         delete_sqlite_database(path)
     clock = SimulatedClock()
     app = SchedulerApplication(
-        env={**(env or {}), DATABASE_URL: config.database_url},
+        # the reconciler reads the read models; caught up inline, so runs stay reproducible
+        env={**(env or {}), DATABASE_URL: config.database_url, READ_MODELS: "on"},
         now=clock,
         rng=random.Random(config.seed),
     )
@@ -875,6 +1165,7 @@ def summarise(simulation: FleetSimulation, events_before: int, elapsed: float) -
         "coalesced": outcomes.get("coalesced", 0),
         **outcomes,
     }
+    states, unreleased_match = _assignment_states(app, snapshots)
     events = app.event_count()
     counts = simulation.counts
     return SimulationResult(
@@ -894,6 +1185,16 @@ def summarise(simulation: FleetSimulation, events_before: int, elapsed: float) -
         late_fences_rejected=counts["late_fences_rejected"],
         cycles_abandoned=counts["cycles_abandoned"],
         running_at_end=sum(1 for s in simulation.sandboxes.values() if s.phase == "running"),
+        starts_unreported=counts["starts_unreported"],
+        redelivered_starts_running=counts["redelivered_starts_running"],
+        manual_releases=sum(simulation.manual_releases.values()),
+        manual_releases_by_state={
+            state: simulation.manual_releases[state] for state in (STATE_FAILED, STATE_UNCERTAIN)
+        },
+        assignment_states=states,
+        reconcile=_reconcile_use(
+            counts["reconcile_rounds"], simulation.reconciler, simulation.peer
+        ),
         refusals={op: _sorted_counts(c) for op, c in simulation.refusals.items()},
         refusal_reasons={op: _reason_counts(c) for op, c in simulation.reasons.items()},
         drained_runner=simulation.drained_runner,
@@ -904,10 +1205,61 @@ def summarise(simulation: FleetSimulation, events_before: int, elapsed: float) -
         heartbeats=heartbeats,
         events_written=events - events_before,
         events_in_store=events,
-        ledger_matches_store=ledger.matches(snapshots),
+        ledger_matches_store=ledger.matches(snapshots) and unreleased_match,
         pools=pools,
         runner_use=runner_use,
         wall_seconds=round(elapsed, 3),
+    )
+
+
+def _assignment_states(
+    app: SchedulerApplication, snapshots: list[RunnerSnapshot]
+) -> tuple[dict[str, int], bool]:
+    """Every assignment on the run's runners by state, and whether each runner's reserved
+    capacity equals the sum over its unreleased assignments (failed and uncertain too)."""
+    read_models = app.current_read_models()
+    assert read_models is not None
+    states: Counter[str] = Counter()
+    matches = True
+    for snapshot in snapshots:
+        held: Counter[str] = Counter()
+        for assignment in read_models.assignments.by_runner(snapshot.id, holding=False):
+            states[assignment.state] += 1
+            if assignment.state != STATE_RELEASED:
+                held.update(assignment.capacity.as_dict())
+        if any(held[dim] != amount for dim, amount in snapshot.reserved.as_dict().items()):
+            matches = False
+    ordered = {state: states[state] for state in STATES}
+    ordered.update({state: n for state, n in sorted(states.items()) if state not in ordered})
+    return ordered, matches
+
+
+def _reconcile_use(rounds: int, *reconcilers: SimulationReconciler) -> ReconcileUse:
+    total = ReconcileReport()
+    for reconciler in reconcilers:
+        report = reconciler.report
+        total.passes += report.passes
+        total.due += report.due
+        total.held_by_others += report.held_by_others
+        total.claims_lost += report.claims_lost
+        total.no_longer_due += report.no_longer_due
+        total.stale += report.stale
+        total.actions.update(report.actions)
+    return ReconcileUse(
+        interval_seconds=(RECONCILE_TICKS * TICK).total_seconds(),
+        operation_deadline_seconds=OPERATION_DEADLINE.total_seconds(),
+        rounds=rounds,
+        passes=total.passes,
+        due=total.due,
+        reconciled=sum(total.actions.values()),
+        reconciled_by={r.owner: sum(r.report.actions.values()) for r in reconcilers},
+        actions={action: total.actions[action] for action in ACTIONS},
+        redeliveries=sum(r.redeliveries for r in reconcilers),
+        terminal_failures=sum(r.terminal_failures for r in reconcilers),
+        held_by_others=total.held_by_others,
+        claims_lost=total.claims_lost,
+        no_longer_due=total.no_longer_due,
+        stale=total.stale,
     )
 
 

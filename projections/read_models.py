@@ -93,6 +93,7 @@ class ReadModels:
         for name, view_class in VIEWS[module].items():
             view = view_class(datastore)  # type: ignore[call-arg]
             view.create_table()  # type: ignore[attr-defined]  # from the concrete recorder
+            view.ensure_position(app.name)
             self.views[name] = view
             self.projections[name] = PROJECTIONS[name](view)
         self._lock = threading.Lock()
@@ -156,7 +157,9 @@ class ReadModels:
                 changes: list[Change] = []
                 for event in fresh:
                     changes.extend(changes_of(event))
-                self.views[name].apply(changes, Tracking(self.app.name, page[-1].id))
+                self.views[name].apply(
+                    changes, Tracking(self.app.name, page[-1].id), expected=positions[name]
+                )
                 positions[name] = page[-1].id
             read += len(page)
             progress(len(page))
@@ -186,6 +189,7 @@ class ReadModels:
         with self._lock:
             for view in self.views.values():
                 view.clear(self.app.name)
+                view.ensure_position(self.app.name)
 
 
 def projection_runners(

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
-from eventsourcing.persistence import Tracking, TrackingRecorder
+from eventsourcing.persistence import IntegrityError, Tracking, TrackingRecorder
 from eventsourcing.postgres import PostgresDatastore, PostgresTrackingRecorder
 from eventsourcing.sqlite import SQLiteDatastore, SQLiteTrackingRecorder
 from psycopg.sql import SQL, Composable, Composed, Identifier
@@ -65,12 +65,40 @@ class SqlView(TrackingRecorder):
     def _format(self, sql: str) -> str:
         return sql.format(table=self._name(self.table))
 
-    def apply(self, changes: Sequence[Change], tracking: Tracking) -> None:
-        """Apply ``changes`` and record ``tracking`` in one transaction."""
+    def apply(
+        self, changes: Sequence[Change], tracking: Tracking, expected: int | None = None
+    ) -> None:
+        """Apply ``changes`` and record ``tracking`` in one transaction.
+
+        With ``expected`` (a batch that starts after that position), the position row is
+        locked first and must still be ``expected``: two processes catching up the same
+        batch concurrently cannot both apply it, even when their batches end at different
+        positions (the tracking row alone only forbids going backwards).
+        """
         with self.datastore.transaction(commit=True) as cursor:  # type: ignore[attr-defined]
+            if expected is not None:
+                position = self._locked_position(cursor, tracking.application_name)
+                if position != expected:
+                    raise IntegrityError(
+                        f"{self.projection_name}: position moved from {expected} to {position}"
+                    )
             for change in changes:
                 cursor.execute(self._sql(self._format(change.sql)), change.params)
             self._insert_tracking(cursor, tracking)  # type: ignore[attr-defined]
+
+    def _locked_position(self, cursor: Any, application_name: str) -> int:
+        raise NotImplementedError
+
+    def ensure_position(self, application_name: str) -> None:
+        """Create the position row (at 0) so that every batch can lock it."""
+        with self.datastore.transaction(commit=True) as cursor:  # type: ignore[attr-defined]
+            cursor.execute(
+                self._sql(
+                    f"INSERT INTO {self._tracking_name()} (application_name, notification_id) "
+                    "VALUES (%s, 0) ON CONFLICT DO NOTHING"
+                ),
+                (application_name,),
+            )
 
     def query(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
         with self.datastore.transaction(commit=False) as cursor:  # type: ignore[attr-defined]
@@ -119,6 +147,20 @@ class SQLiteSqlView(SqlView, SQLiteTrackingRecorder):
     def _name(self, table: str) -> str:
         return table
 
+    def _locked_position(self, cursor: Any, application_name: str) -> int:
+        # A write first takes SQLite's write lock before this transaction reads anything.
+        tracking = self._tracking_name()
+        cursor.execute(
+            f"UPDATE {tracking} SET notification_id = notification_id WHERE application_name = ?",
+            (application_name,),
+        )
+        cursor.execute(
+            f"SELECT notification_id FROM {tracking} WHERE application_name = ?",
+            (application_name,),
+        )
+        row = cursor.fetchone()
+        return 0 if row is None else int(row[0])
+
     def _tracking_name(self) -> str:
         return f"{self.projection_name}_tracking"
 
@@ -140,6 +182,17 @@ class PostgresSqlView(SqlView, PostgresTrackingRecorder):
 
     def _tracking_name(self) -> str:
         return self._name(self.tracking_table_name)
+
+    def _locked_position(self, cursor: Any, application_name: str) -> int:
+        cursor.execute(
+            SQL(
+                f"SELECT notification_id FROM {self._tracking_name()} "
+                "WHERE application_name = %s FOR UPDATE"
+            ),
+            (application_name,),
+        )
+        row = cursor.fetchone()
+        return 0 if row is None else int(row["notification_id"])
 
     def _sql(self, sql: str) -> Composable:
         return SQL(sql)

@@ -15,6 +15,7 @@ from infrastructure.cli import cli
 from infrastructure.settings import DATABASE_URL
 from infrastructure.simulation import (
     FULL_CAPABILITIES,
+    OPERATOR,
     POOLS,
     SimulationConfig,
     plan_fleet,
@@ -85,6 +86,50 @@ def test_simulate_places_and_refuses(simulated: Simulated) -> None:
     assert len(summary["runner_use"]) == 12
 
 
+def test_simulate_reconciles_and_releases_by_hand(simulated: Simulated) -> None:
+    summary = simulated.summary
+    reconcile = summary["reconcile"]
+    actions = reconcile["actions"]
+    assert summary["starts_unreported"] > 0
+    assert actions["deadline_exceeded"] > 0
+    assert actions["uncertain"] > 0
+    assert (
+        actions["deadline_exceeded"] == reconcile["redeliveries"] + reconcile["terminal_failures"]
+    )
+    assert reconcile["rounds"] > 0
+    assert reconcile["passes"] >= reconcile["rounds"]
+    assert (
+        reconcile["reconciled"] == sum(actions.values()) == sum(reconcile["reconciled_by"].values())
+    )
+    assert set(reconcile["reconciled_by"]) == {"simulator-reconciler", "simulator-peer"}
+    assert reconcile["held_by_others"] > 0  # the scripted peer won the claim race
+    assert reconcile["claims_lost"] > 0  # the paused peer's late commit was refused
+    manual = summary["manual_releases"]
+    assert manual > 0
+    assert manual == sum(summary["manual_releases_by_state"].values())
+    assert summary["manual_releases_by_state"]["uncertain"] > 0
+    states = summary["assignment_states"]
+    assert list(states) == ["assigned", "running", "released", "failed", "uncertain"]
+    assert sum(states.values()) == summary["placements"]
+    assert states["released"] == summary["releases"] + manual == summary["generations_advanced"]
+    assert summary["ledger_matches_store"] is True
+
+
+def test_manual_releases_carry_the_operators_proof(simulated: Simulated) -> None:
+    app = SchedulerApplication(env={DATABASE_URL: simulated.url})
+    try:
+        read_models = app.current_read_models()
+        assert read_models is not None
+        released = read_models.assignments.by_state("released")
+        by_hand = [a for a in released if a.release_proof.get("operator") == OPERATOR]
+        assert len(by_hand) == simulated.summary["manual_releases"]
+        assert all(a.release_proof["reason"] for a in by_hand)
+        for state, count in simulated.summary["assignment_states"].items():
+            assert len(read_models.assignments.by_state(state)) == count
+    finally:
+        app.close()
+
+
 def test_events_written_are_what_the_store_holds(simulated: Simulated) -> None:
     app = SchedulerApplication(env={DATABASE_URL: simulated.url})
     try:
@@ -98,6 +143,8 @@ def test_events_written_are_what_the_store_holds(simulated: Simulated) -> None:
 def test_same_seed_gives_the_same_summary(simulated: Simulated, tmp_path: Path) -> None:
     again = invoke_json("simulate", "--database-url", url_for(tmp_path), *SMALL)
     assert without_run_details(again) == without_run_details(simulated.summary)
+    for key in ("reconcile", "manual_releases_by_state", "assignment_states"):
+        assert again[key] == simulated.summary[key]
 
 
 def test_fresh_replaces_the_database(tmp_path: Path) -> None:
@@ -129,6 +176,14 @@ def test_simulate_prints_a_human_summary(tmp_path: Path) -> None:
         "draining",
         "events written",
         "contention retries",
+        "reconcile passes",
+        "assignments reconciled",
+        "deadline_exceeded",
+        "uncertain",
+        "held by another reconciler",
+        "manual releases",
+        "assignments by state",
+        "ledger check",
         "wall time",
         "Utilisation per pool",
         "general-01",
@@ -235,7 +290,7 @@ def test_assignments_of_a_runner(simulated: Simulated) -> None:
     assert found
     for assignment in found:
         assert assignment["runner_id"] == runner_id
-        assert assignment["state"] in ("assigned", "running")
+        assert assignment["state"] in ("assigned", "running", "failed", "uncertain")  # holding
         assert len(bytes.fromhex(assignment["fencing_token"])) == 32
     table = invoke("assignments", "--runner", runner_id, "--database-url", simulated.url)
     assert table.exit_code == 0, table.output

@@ -301,3 +301,30 @@ def test_a_killed_projection_process_resumes_exactly_once(
             observer.close()
     finally:
         writer.close()
+
+
+def test_concurrent_batched_catch_ups_apply_each_event_once(store: Store, clock: Clock) -> None:
+    """Found by `verify`: two replicas catching up pages that overlap but end at different
+    positions must not both commit (the tracking row alone only forbids going backwards)."""
+    writer = SchedulerApplication(env={**store.env, "SECONDBOX_READ_MODELS": "off"}, now=clock)
+    store.opened.append(writer)
+    run_history(
+        writer, clock, [("create", 0, b) for b in range(4)] + [("schedule", 0, b) for b in range(4)]
+    )
+    head = writer.head_position()
+    external = {**store.env, "SECONDBOX_READ_MODELS": "external"}
+    first, second = SchedulerApplication(env=external), SchedulerApplication(env=external)
+    store.opened += [first, second]
+    ahead, behind = read_models_of(first), read_models_of(second)
+    original = behind._pages
+
+    def interleaved(after: int, until: int | None) -> Iterator[list[Any]]:
+        for page in original(after, until):
+            ahead.catch_up(until=(after + head) // 2)  # overtakes part of this page
+            yield page
+
+    behind._pages = interleaved  # type: ignore[method-assign]
+    behind.catch_up()
+    behind._pages = original  # type: ignore[method-assign]
+    assert {behind.position(name) for name in behind.views} == {head}
+    assert projected(first) == folded(writer)

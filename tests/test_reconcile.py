@@ -360,3 +360,18 @@ def test_three_reconciler_processes_never_overlap_and_process_everything(
         assert len(owners) >= 2, "the work was shared"
     finally:
         app.close()
+
+
+def test_each_redelivery_gets_the_original_operation_window(
+    app: SchedulerApplication, clock: Clock
+) -> None:
+    """Found by the simulation: the window must not grow with every redelivery."""
+    scheduled(app, clock, retry_limit=3, operation_deadline=clock() + MINUTE)
+    worker = reconciler(app)
+    for _ in range(3):
+        clock.advance(minutes=11)
+        beat(app, clock)
+        assert worker.run_once() == (1, 1)
+        redelivered = app.get_assignment("s1")
+        assert redelivered is not None
+        assert redelivered.operation_deadline == clock() + MINUTE
