@@ -197,10 +197,16 @@ class AuditFold:
     def _violate(self, rule: str, detail: str) -> None:
         event = self._current
         name = type(event).__qualname__
+        stream = event.originator_id
+        runner = self.runners.get(stream)
+        lease = self.leases.get(stream)
+        sandbox = self.sandboxes.get(stream)
+        label = (
+            runner.runner_id if runner else lease.runner_id if lease
+            else sandbox.sandbox_id if sandbox else str(stream)
+        )  # fmt: skip
         self.violations.append(
-            Violation(
-                self.position, f"{name.split('.')[0]} {event.originator_id}", name, rule, detail
-            )
+            Violation(self.position, f"{name.split('.')[0]} {label}", name, rule, detail)
         )
 
     def _versions(self, event: Any) -> None:

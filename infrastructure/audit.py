@@ -187,6 +187,11 @@ def _fields(event: Any) -> dict[str, Any]:
         fields["home_decision"] = summarize_refusals(
             [RunnerEvaluation.from_record(c) for c in decision["candidates"]]
         )
+    if "requirements" in fields:
+        wanted = fields.pop("requirements")
+        fields["requirements"] = {
+            k: wanted[k] for k in ("pool_name", "architecture", "capacity", "egress_context")
+        }
     if "candidates" in fields:
         fields["candidates"] = len(fields["candidates"])
     return {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in fields.items()}
