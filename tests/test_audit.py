@@ -303,3 +303,20 @@ def test_cli_verify_exits_non_zero_on_a_violation(
     broken = runner.invoke(cli, ["audit", "verify", "--database-url", url])
     assert broken.exit_code == 1
     assert "invariant-1" in broken.output
+
+
+def test_a_clean_history_from_simulate_verifies(postgres_schema: Any, tmp_path: Any) -> None:
+    """Both stores: a simulated history (placements, refusals, drains, stale heartbeats,
+    reconciliation, manual releases) has zero violations."""
+    from infrastructure.simulation import SimulationConfig, run_simulation
+
+    for url in (f"sqlite:///{tmp_path}/sim.db", postgres_schema.url()):
+        result = run_simulation(SimulationConfig(database_url=url, runners=9, sandboxes=25))
+        assert result.placements > 0
+        app = SchedulerApplication(env={"SECONDBOX_DATABASE_URL": url})
+        try:
+            report = verify(app)
+            assert report.ok, [str(v) for v in report.violations]
+            assert report.events == app.event_count()
+        finally:
+            app.close()
