@@ -27,7 +27,7 @@ from uuid import UUID
 from domain.lease import RunnerLease
 from domain.placement import checked_dimensions, evaluate_runner
 from domain.refusals import RefusalLog
-from domain.runner import Runner, reservation_key
+from domain.runner import Runner
 from domain.sandbox import Sandbox
 from domain.values import (
     DRAIN_PHASE_ACTIVE,
@@ -595,6 +595,3 @@ class AuditFold:
             for generation in sorted(sandbox.assignments):
                 records.append(sandbox.assignments[generation])
         return records
-
-    def reservation_key(self, sandbox_id: str, generation: int) -> str:
-        return reservation_key(sandbox_id, generation)

@@ -20,6 +20,7 @@ from domain.ids import lease_uuid, refusal_log_uuid, runner_uuid, sandbox_uuid
 from domain.placement import RunnerEvaluation, summarize_refusals
 from domain.values import DurableAssignment, RunnerSnapshot
 from infrastructure.application import SchedulerApplication
+from projections.read_models import read_raw
 
 PAGE = 1000
 Until = int | datetime | None
@@ -113,14 +114,7 @@ def verify(
     raw_seconds = 0.0
     if measure_raw:
         started = time.perf_counter()
-        after, stop = 0, until if isinstance(until, int) else None
-        while True:
-            page = app.recorder.select_notifications(
-                start=after, limit=PAGE, stop=stop, inclusive_of_start=False
-            )
-            if len(page) < PAGE:
-                break
-            after = page[-1].id
+        read_raw(app, until=until if isinstance(until, int) else None)
         raw_seconds = time.perf_counter() - started
     started = time.perf_counter()
     audit = fold(app, until, progress)

@@ -247,12 +247,19 @@ class RebuildReport:
         }
 
 
-def read_raw(app: Application[Any], progress: Callable[[int], None] = lambda _: None) -> int:
-    """Read every notification with the recorder alone, in the pages a rebuild uses."""
+def read_raw(
+    app: Application[Any],
+    progress: Callable[[int], None] = lambda _: None,
+    until: int | None = None,
+) -> int:
+    """Read the notifications (up to ``until``) with the recorder alone, in the pages a
+    rebuild or an audit uses: the baseline their rates are compared with."""
     read = 0
     after = 0
     while True:
-        page = app.recorder.select_notifications(start=after, limit=PAGE, inclusive_of_start=False)
+        page = app.recorder.select_notifications(
+            start=after, limit=PAGE, stop=until, inclusive_of_start=False
+        )
         if not page:
             return read
         read += len(page)
