@@ -976,7 +976,8 @@ def verify_command(
     database_url: Annotated[
         str,
         typer.Option(
-            "--database-url", envvar=DATABASE_URL,
+            "--database-url",
+            envvar=DATABASE_URL,
             help="A PostgreSQL server (any database on it): the run creates its own database.",
         ),
     ] = "postgresql://postgres@127.0.0.1:5432/postgres",

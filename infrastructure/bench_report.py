@@ -1,0 +1,195 @@
+"""Tables of a ``secondbox-scheduler bench`` report (the dict :func:`run_bench` returns)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+
+def _ms(value: float) -> str:
+    return f"{value:,.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def throughput_table(report: dict[str, Any]) -> Table | None:
+    raw, placement = report.get("raw_baseline"), report.get("placement")
+    contention = report.get("contention")
+    if not (raw or placement or contention):
+        return None
+    workers = report["settings"]["workers"]
+    table = Table(title=f"Throughput, {workers} worker processes", box=box.SIMPLE)
+    columns = ("run", "per s", "p50 ms", "p95 ms", "p99 ms", "retries/call", "errors", "ratio")
+    for column in (*columns, "CPU ms/call"):
+        table.add_column(column, justify="left" if column == "run" else "right")
+    if raw:
+        for key, label in (
+            ("one_aggregate", "raw: 1 new aggregate/transaction"),
+            ("two_aggregates", "raw: 2 new aggregates/transaction"),
+        ):
+            row = raw[key]
+            table.add_row(
+                label,
+                f"{row['transactions_per_second']:,.0f}",
+                _ms(row["p50_ms"]),
+                _ms(row["p95_ms"]),
+                _ms(row["p99_ms"]),
+                "-",
+                "0",
+                "-",
+                _cpu(row),
+            )
+    baseline = raw["two_aggregates"]["transactions_per_second"] if raw else None
+    if placement:
+        table.add_row(
+            f"placement: schedule over {placement['runners']:,} runners",
+            f"{placement['per_second']:,.0f}",
+            _ms(placement["p50_ms"]),
+            _ms(placement["p95_ms"]),
+            _ms(placement["p99_ms"]),
+            f"{placement['retries_per_call']:.3f}",
+            str(placement["contention_errors"]),
+            _ratio(placement["per_second"] / baseline if baseline else None) + " of raw 2",
+            _cpu(placement),
+        )
+    if contention:
+        uncontended = placement["per_second"] if placement else None
+        table.add_row(
+            f"contention: goodput on {contention['hot_runners']} hot runners",
+            f"{contention['goodput_per_second']:,.0f}",
+            _ms(contention["p50_ms"]),
+            _ms(contention["p95_ms"]),
+            _ms(contention["p99_ms"]),
+            f"{contention['retries_per_call']:.3f}",
+            str(contention["contention_errors"]),
+            _ratio(contention["goodput_per_second"] / uncontended if uncontended else None)
+            + " of placement",
+            _cpu(contention),
+        )
+    table.caption = _throughput_caption(report)
+    return table
+
+
+def _cpu(row: dict[str, Any]) -> str:
+    value = row.get("machine_cpu_ms_per_call")
+    busy = row.get("machine_cpu_busy")
+    return "-" if value is None or busy is None else f"{value:.2f} ({busy:.0%} busy)"
+
+
+def _throughput_caption(report: dict[str, Any]) -> str:
+    notes = [
+        "per s: transactions (raw), placements (placement, contention: goodput); "
+        "latency of successful calls; CPU: whole machine (workers and database) per call"
+    ]
+    contention = report.get("contention")
+    if contention:
+        state = contention["hot_runner_state"]
+        room = contention["room_per_runner"]
+        notes.append(
+            f"contention: {contention['sandboxes']:,} sandboxes on {contention['hot_runners']} "
+            f"runners with room for {room:,} each: {contention['placed']:,} placed, "
+            f"{contention['outcomes'].get('refused', 0):,} refused (runner full); reserved <= "
+            f"allocatable on every hot runner: "
+            f"{'yes' if state['oversubscribed_runners'] == 0 else 'NO'}; reservations = "
+            f"placements: {'yes' if state['reservations_match_placements'] else 'NO'}"
+        )
+    return "\n".join(notes)
+
+
+def selection_table(report: dict[str, Any]) -> Table | None:
+    selection = report.get("selection")
+    if not selection:
+        return None
+    table = Table(title="Selection over one pool (median per call)", box=box.SIMPLE)
+    for column in ("runners", "select_runner ms", "ratio", "create_sandbox ms", "ratio"):
+        table.add_column(column, justify="right")
+    for row in selection["rows"]:
+        table.add_row(
+            f"{row['runners']:,}",
+            _ms(row["select_runner_ms"]),
+            _ratio(row.get("select_runner_ratio")),
+            _ms(row["create_sandbox_ms"]),
+            _ratio(row.get("create_sandbox_ratio")),
+        )
+    return table
+
+
+def history_table(report: dict[str, Any]) -> Table | None:
+    history = report.get("history")
+    if not history:
+        return None
+    table = Table(title="Loading a runner by history (median per load)", box=box.SIMPLE)
+    for column in ("events", "snapshot at", "cold ms", "ratio", "warm ms", "ratio", "replay ms"):
+        table.add_column(column, justify="right")
+    for row in history["rows"]:
+        table.add_row(
+            f"{row['events']:,}",
+            "-" if row["snapshot_version"] is None else f"{row['snapshot_version']:,}",
+            f"{row['cold_ms']:.2f}",
+            f"{row['cold_ratio']:.2f}",
+            f"{row['warm_ms']:.3f}",
+            f"{row['warm_ratio']:.2f}",
+            f"{row['replay_ms']:,.1f}",
+        )
+    return table
+
+
+def replay_table(report: dict[str, Any]) -> Table | None:
+    replay = report.get("replay")
+    if not replay:
+        return None
+    table = Table(title="Replay of the whole log", box=box.SIMPLE)
+    for column in ("replay", "events", "seconds", "events/s", "raw read events/s", "ratio"):
+        table.add_column(column, justify="left" if column == "replay" else "right")
+    for key, label in (("rebuild", "projection rebuild"), ("audit_verify", "audit verify")):
+        row = replay[key]
+        events = row.get("events", row.get("events_checked", 0))
+        table.add_row(
+            label,
+            f"{events:,}",
+            f"{row['seconds']:.2f}",
+            f"{row['events_per_second']:,.0f}",
+            f"{row['raw_read_events_per_second']:,.0f}",
+            _ratio(row["ratio_to_raw_read"]),
+        )
+    return table
+
+
+def goals_table(report: dict[str, Any]) -> Table:
+    table = Table(title="Goals", box=box.SIMPLE)
+    for column in ("goal", "target", "measured", "verdict", "figures"):
+        table.add_column(column)
+    for name, goal in report["goals"].items():
+        if goal["met"] is None:
+            verdict = "[dim]not measured[/dim]"
+        else:
+            verdict = "[green]met[/green]" if goal["met"] else "[red]not met[/red]"
+        value = "-" if goal["value"] is None else f"{goal['value']:g}"
+        table.add_row(name, goal["target"], value, verdict, goal["detail"])
+    return table
+
+
+def print_report(report: dict[str, Any], console: Console) -> None:
+    machine = report["machine"]
+    settings = report["settings"]
+    console.print(
+        f"[bold]secondbox-scheduler bench[/bold]{' --quick' if settings['quick'] else ''}: "
+        f"{report['database']}{' (kept)' if report['kept'] else ' (dropped)'}; "
+        f"{machine['nproc']} CPUs ({machine['cpu']}), {machine['memory_gib']} GiB, "
+        f"Python {machine['python']}, eventsourcing {machine['eventsourcing']}, "
+        f"{machine['database']}; seed {settings['seed']}; {report['wall_seconds']:.0f}s"
+    )
+    for table in (
+        throughput_table(report),
+        selection_table(report),
+        history_table(report),
+        replay_table(report),
+        goals_table(report),
+    ):
+        if table is not None:
+            console.print(table)

@@ -1,0 +1,193 @@
+"""``secondbox-scheduler bench`` runs end to end (smoke tests: no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner, Result
+
+from infrastructure.bench import SECTIONS, BenchSettings, evaluate_goals
+from infrastructure.bench_report import print_report
+from infrastructure.cli import cli
+from tests.postgres_server import PostgresServer
+
+GOALS = {
+    "placement_throughput",
+    "contention_goodput",
+    "selection_scaling",
+    "history_growth",
+    "audit_replay",
+    "projection_rebuild",
+}
+GOAL_FIELDS = {"target", "value", "met", "detail"}
+
+
+def bench(*args: str) -> Result:
+    return CliRunner().invoke(cli, ["bench", *args])
+
+
+def bench_json(*args: str) -> dict[str, Any]:
+    result = bench(*args, "--json")
+    assert result.exit_code == 0, result.output
+    report: dict[str, Any] = json.loads(result.stdout)
+    return report
+
+
+def assert_goals(report: dict[str, Any], measured: set[str]) -> None:
+    assert set(report["goals"]) == GOALS
+    for name, goal in report["goals"].items():
+        assert set(goal) == GOAL_FIELDS, name
+        if name in measured:
+            assert isinstance(goal["met"], bool), name
+            assert isinstance(goal["value"], float | int), name
+        else:
+            assert goal["met"] is None, name
+
+
+def assert_throughput(run: dict[str, Any], count: str) -> None:
+    for key in ("workers", "seconds", "calls", count, "p50_ms", "p95_ms", "p99_ms"):
+        assert key in run, key
+    assert run[count] > 0
+    assert run["p50_ms"] <= run["p95_ms"] <= run["p99_ms"]
+
+
+@dataclass(frozen=True)
+class QuickRun:
+    database: Path
+    report: dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> QuickRun:
+    """One ``bench --quick`` on a new SQLite file, shared by the tests of its output."""
+    database = tmp_path_factory.mktemp("bench") / "bench.db"
+    return QuickRun(database, bench_json("--quick", "--database-url", f"sqlite:///{database}"))
+
+
+def test_quick_bench_on_sqlite_reports_every_section_and_goal(quick: QuickRun) -> None:
+    report, database = quick.report, quick.database
+
+    assert report["settings"]["quick"] is True
+    assert set(report["settings"]["sections"]) == set(SECTIONS)
+    assert {"nproc", "memory_gib", "cpu", "python", "eventsourcing", "database"} <= set(
+        report["machine"]
+    )
+    raw = report["raw_baseline"]
+    for key in ("one_aggregate", "two_aggregates"):
+        assert_throughput(raw[key], "saved")
+        assert raw[key]["transactions_per_second"] > 0
+
+    placement = report["placement"]
+    assert_throughput(placement, "placed")
+    assert placement["per_second"] > 0
+    assert placement["outcomes"].keys() <= {"placed", "contention_error"}
+
+    contention = report["contention"]
+    assert_throughput(contention, "placed")
+    state = contention["hot_runner_state"]
+    assert state["oversubscribed_runners"] == 0
+    assert state["reservations_match_placements"]
+    for runner in state["runners"]:
+        assert runner["reserved_instances"] <= runner["allocatable_instances"]
+    assert (
+        contention["placed"]
+        + contention["outcomes"].get("refused", 0)
+        + contention["contention_errors"]
+        == contention["sandboxes"]
+    )
+
+    rows = report["selection"]["rows"]
+    assert [row["runners"] for row in rows] == list(BenchSettings.make(quick=True).selection_sizes)
+    for row in rows:
+        assert row["select_runner_ms"] > 0
+        assert row["create_sandbox_ms"] > 0
+    assert {"create_sandbox_ratio", "select_runner_ratio"} <= rows[-1].keys()
+
+    history = report["history"]["rows"]
+    assert [row["events"] for row in history] == [10, 1_000, 10_000]
+
+    replay = report["replay"]
+    assert replay["audit_verify"]["ok"]
+    assert replay["audit_verify"]["violations"] == 0
+    assert replay["rebuild"]["events"] == replay["events_in_log"] > 0
+    assert replay["rebuild"]["ratio_to_raw_read"] is not None
+
+    assert_goals(report, measured=GOALS)
+    assert not database.exists(), "the benchmark removes its database unless --keep"
+
+
+@pytest.mark.postgres
+def test_quick_bench_on_postgres_works_in_a_schema_it_drops(
+    postgres_server: PostgresServer,
+) -> None:
+    report = bench_json(
+        "--quick",
+        "--database-url",
+        postgres_server.url(),
+        "--only",
+        "raw,placement,contention",
+        "--workers",
+        "2",
+        "--runners",
+        "20",
+        "--seconds",
+        "0.5",
+    )
+    schema = report["database"].rsplit("schema=", 1)[1]
+    assert schema.startswith("bench_")
+    assert report["machine"]["database"].startswith("PostgreSQL")
+    assert_throughput(report["placement"], "placed")
+    assert report["contention"]["hot_runner_state"]["oversubscribed_runners"] == 0
+    assert not {"selection", "history", "replay"} & report.keys()
+    assert_goals(report, measured={"placement_throughput", "contention_goodput"})
+    with psycopg.connect(postgres_server.conninfo()) as conn:
+        found = conn.execute(
+            "SELECT 1 FROM information_schema.schemata WHERE schema_name = %s", [schema]
+        ).fetchone()
+    assert found is None, "the benchmark drops its schema unless --keep"
+
+
+def test_the_tables_show_every_measurement_and_goal(quick: QuickRun) -> None:
+    console = Console(record=True, width=200)
+    print_report(quick.report, console)
+    text = console.export_text()
+    for heading in ("Throughput", "Selection", "Loading a runner", "Replay", "Goals"):
+        assert heading in text
+    for goal in GOALS:
+        assert goal in text
+    assert "met" in text
+
+
+def test_bench_refuses_an_existing_sqlite_file(tmp_path: Path) -> None:
+    existing = tmp_path / "taken.db"
+    existing.write_bytes(b"")
+    result = bench("--quick", "--database-url", f"sqlite:///{existing}")
+    assert result.exit_code == 2
+    assert "exists" in result.stderr
+    assert existing.exists()
+
+
+def test_bench_refuses_unknown_sections() -> None:
+    result = bench("--only", "raw,warp")
+    assert result.exit_code == 2
+    assert "--only" in result.stderr
+
+
+def test_goals_of_an_empty_report_are_not_measured() -> None:
+    goals = evaluate_goals({})
+    assert set(goals) == GOALS
+    assert all(goal["met"] is None for goal in goals.values())
+
+
+def test_bench_history_subcommand_still_runs(tmp_path: Path) -> None:
+    result = bench(
+        "history", "--database-url", f"sqlite:///{tmp_path / 'h.db'}", "--sizes", "10,30", "--json"
+    )
+    assert result.exit_code == 0, result.output
+    assert [row["events"] for row in json.loads(result.stdout)["rows"]] == [10, 30]
