@@ -10,9 +10,10 @@ server, dropped at the end), then measures, in this order:
 2. **placement**: W worker processes scheduling sandboxes homed over R runners with
    spare capacity, for a fixed time: schedules per second, latency percentiles,
    retries per schedule, and the ratio to the two-aggregate raw baseline;
-3. **contention**: W workers scheduling sandboxes all homed on 4 hot runners whose
-   capacity runs out just before the sandboxes do: goodput, retries, contention
-   errors, ratio to (2), and reserved <= allocatable on the hot runners at the end;
+3. **contention**: W workers scheduling a fixed number of sandboxes (3,000) all homed
+   on 4 hot runners whose capacity runs out just before the sandboxes do (room for 95%):
+   goodput, retries, contention errors, ratio to (2), and reserved <= allocatable on
+   the hot runners at the end;
 4. **selection**: ``domain.placement.select_runner`` and end-to-end
    ``SchedulerApplication.create_sandbox`` over pools of 100, 1,000 and 10,000 runners;
 5. **history**: loading a runner after 10, 1,000 and 100,000 of its events
@@ -97,7 +98,7 @@ class BenchSettings:
     seed: int = 7
     raw_seconds: float = 10.0
     placement_seconds: float = 15.0
-    contention_seconds: float = 10.0  # target; the run is a fixed number of sandboxes
+    contention_sandboxes: int = 3000  # a fixed amount of work, comparable across runs
     selection_sizes: tuple[int, ...] = (100, 1_000, 10_000)
     select_calls: tuple[int, ...] = (50, 20, 5)
     create_calls: tuple[int, ...] = (20, 10, 5)
@@ -124,7 +125,7 @@ class BenchSettings:
                 seed=seed,
                 raw_seconds=1.5,
                 placement_seconds=2.0,
-                contention_seconds=1.5,
+                contention_sandboxes=400,
                 selection_sizes=(30, 300, 3_000),
                 select_calls=(20, 10, 5),
                 create_calls=(5, 5, 3),
@@ -140,7 +141,6 @@ class BenchSettings:
                     **asdict(base),
                     "raw_seconds": seconds,
                     "placement_seconds": seconds,
-                    "contention_seconds": seconds,
                 }
             )
         return base
@@ -374,13 +374,12 @@ def measure_contention(
     app: SchedulerApplication,
     env: dict[str, str],
     settings: BenchSettings,
-    expected_rate: float,
     progress: Progress,
 ) -> dict[str, Any]:
     rng = random.Random(settings.seed + 1)
     pool_name = "hot"
     at = _now()
-    count = max(40 * settings.workers, math.ceil(expected_rate * settings.contention_seconds))
+    count = settings.contention_sandboxes
     room = math.ceil(count * HOT_FILL / HOT_RUNNERS)
     progress(f"contention: {count:,} sandboxes on {HOT_RUNNERS} runners with room for {room:,}")
     fleet = roomy_fleet(pool_name, HOT_RUNNERS, instances=room)
@@ -700,11 +699,8 @@ def run_bench(
                     report["placement"] = measure_placement(
                         pool, app, env, settings, rate, progress
                     )
-                    rate = report["placement"]["per_second"] or rate
                 if "contention" in wanted:
-                    report["contention"] = measure_contention(
-                        pool, app, env, settings, rate, progress
-                    )
+                    report["contention"] = measure_contention(pool, app, env, settings, progress)
             if "selection" in wanted:
                 report["selection"] = measure_selection(app, settings, progress)
             if "replay" in wanted:

@@ -1145,7 +1145,7 @@ BENCH_HELP = (
     "--database-url, or a new SQLite file), dropped at the end unless --keep, and "
     "measures: (1) the raw eventsourcing baseline, new aggregates saved one and two per "
     "transaction by W worker processes; (2) placement throughput of W workers scheduling "
-    "over R runners with spare capacity; (3) contention, every sandbox homed on 4 runners; "
+    "over R runners with spare capacity; (3) contention, 3,000 sandboxes homed on 4 runners; "
     "(4) select_runner and create_sandbox over 100, 1,000 and 10,000 runners; (5) loading "
     "a runner after 10, 1,000 and 100,000 events; (6) projection rebuild and audit verify "
     "against the raw notification read rate. Prints a table per measurement and each "
@@ -1191,7 +1191,7 @@ def bench(
     seconds: Annotated[
         float | None,
         typer.Option(
-            "--seconds", min=0.1, help="Length of each timed run (raw, placement, contention)."
+            "--seconds", min=0.1, help="Length of the timed runs (raw baseline, placement)."
         ),
     ] = None,
     only: Annotated[
