@@ -20,7 +20,7 @@ from domain.ids import lease_uuid, refusal_log_uuid, runner_uuid, sandbox_uuid
 from domain.placement import RunnerEvaluation, summarize_refusals
 from domain.values import DurableAssignment, RunnerSnapshot
 from infrastructure.application import SchedulerApplication
-from projections.read_models import read_raw
+from projections.read_models import RebuildReport, read_raw
 
 PAGE = 1000
 Until = int | datetime | None
@@ -60,34 +60,23 @@ def _events(app: SchedulerApplication, until: Until) -> Iterator[tuple[int, Any]
 
 
 @dataclass
-class AuditReport:
-    events: int
-    position: int
-    seconds: float
-    raw_read_seconds: float
+class AuditReport(RebuildReport):
+    """An audit replay: its rates (as a rebuild's), how far it went, what it found."""
+
+    position: int = 0
     violations: list[Violation] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.violations
 
-    @property
-    def events_per_second(self) -> float:
-        return self.events / self.seconds if self.seconds else 0.0
-
-    @property
-    def raw_events_per_second(self) -> float:
-        return self.events / self.raw_read_seconds if self.raw_read_seconds else 0.0
-
     def to_dict(self) -> dict[str, Any]:
+        rates = super().to_dict()
+        rates["events_checked"] = rates.pop("events")
         return {
             "ok": self.ok,
-            "events_checked": self.events,
+            **rates,
             "position": self.position,
-            "seconds": round(self.seconds, 3),
-            "events_per_second": round(self.events_per_second, 1),
-            "raw_read_seconds": round(self.raw_read_seconds, 3),
-            "raw_read_events_per_second": round(self.raw_events_per_second, 1),
             "violations": [violation.to_dict() for violation in self.violations],
         }
 
@@ -119,7 +108,7 @@ def verify(
     started = time.perf_counter()
     audit = fold(app, until, progress)
     seconds = time.perf_counter() - started
-    return AuditReport(audit.events, audit.position, seconds, raw_seconds, audit.violations)
+    return AuditReport(audit.events, seconds, raw_seconds, audit.position, audit.violations)
 
 
 @dataclass

@@ -216,9 +216,10 @@ def timed(operation: Callable[[], int]) -> tuple[int, float]:
     return count, time.perf_counter() - started
 
 
-@dataclass(frozen=True)
+@dataclass
 class RebuildReport:
-    """A rebuild from zero, beside the raw rate of reading the same notifications."""
+    """A replay of the log (a rebuild from zero, or an audit), beside the raw rate of
+    reading the same notifications with the recorder alone."""
 
     events: int
     seconds: float
