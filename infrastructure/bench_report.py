@@ -72,6 +72,7 @@ def throughput_table(report: dict[str, Any]) -> Table | None:
             _cpu(contention),
         )
     table.caption = _throughput_caption(report)
+    table.caption_justify = "left"
     return table
 
 
