@@ -25,7 +25,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -272,4 +271,4 @@ def check(url: str, configs: list[dict[str, Any]], report: VerifyReport) -> None
         app.close()
 
 
-__all__ = ["VerifyConfig", "VerifyReport", "run_verify", "timedelta"]
+__all__ = ["VerifyConfig", "VerifyReport", "run_verify"]
