@@ -59,9 +59,14 @@ def _no_nul(value: str) -> str:
 
 
 def _no_numbers(value: object) -> object:
-    """Lax datetimes would take 0 for 1970-01-01: accept datetimes and ISO text only."""
+    """Lax datetimes would take 0 or "0" for 1970-01-01: accept datetimes and ISO text only."""
     if isinstance(value, (int, float)):
         raise ValueError("must be a timezone-aware datetime, not a number")
+    if isinstance(value, str):  # records carry ISO 8601 text; "0" is not a time
+        try:
+            return datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            raise ValueError("must be an ISO 8601 time") from None
     return value
 
 
