@@ -51,6 +51,7 @@ from domain.values import (
     require_text,
 )
 from infrastructure.event_log import count_events
+from infrastructure.fast_forward import fast_forward_pair
 from infrastructure.settings import (
     DATABASE_URL,
     LEASE_RENEWAL_SECONDS,
@@ -424,6 +425,21 @@ class SchedulerApplication(Application[UUID]):
             return read_models.runners.snapshots(requirements.pool_name)
         return self.fold_runner_snapshots(requirements.pool_name)
 
+    def _runner_and_lease(self, runner_id: str) -> tuple[Runner, RunnerLease]:
+        """The home runner (a copy to command) and its lease; cached ones are brought
+        up to date with one query (:mod:`infrastructure.fast_forward`)."""
+        pair = fast_forward_pair(self, runner_uuid(runner_id), lease_uuid(runner_id))
+        if pair is not None:
+            runner, lease = pair
+        else:
+            runner = self._load(runner_uuid(runner_id), Runner)
+            lease = self._load(lease_uuid(runner_id), RunnerLease)
+        if not isinstance(runner, Runner) or runner.deregistered:
+            raise HomeRunnerUnavailableError((), f"home runner {runner_id!r} is not registered")
+        if not isinstance(lease, RunnerLease):
+            raise RunnerNotFoundError(runner_id)
+        return runner, lease
+
     def schedule(self, request: ScheduleRequest) -> tuple[DurableAssignment, bool]:
         """Serialize one sandbox generation and reserve capacity on its home runner.
 
@@ -443,10 +459,7 @@ class SchedulerApplication(Application[UUID]):
                 self.metrics.add("replays")
                 return to_durable_assignment(existing), False
             home = sandbox.home_runner_id
-            runner = self._load(runner_uuid(home), Runner)
-            if runner is None or runner.deregistered:
-                raise HomeRunnerUnavailableError((), f"home runner {home!r} is not registered")
-            lease = self._lease(home)
+            runner, lease = self._runner_and_lease(home)
             try:
                 record = sandbox.fence(
                     request,

@@ -20,7 +20,7 @@ from domain.errors import AlreadyExistsError
 from domain.ids import sandbox_uuid
 from domain.sandbox import Sandbox
 from infrastructure import SchedulerApplication
-from tests.conftest import Clock
+from tests.conftest import Clock, Store
 from tests.factories import (
     HEARTBEAT_TIMEOUT,
     RUNTIME,
@@ -336,3 +336,28 @@ def test_generation_advance_needs_a_new_token(app: SchedulerApplication, clock: 
     assert app.get_assignment("s1", 1).state == "released"  # type: ignore[union-attr]
     assert app.get_runner("r1").reserved == second.capacity
     assert [a.generation for a in app.assignments("s1")] == [1, 2]
+
+
+def test_a_replica_with_cached_runner_and_lease_sees_other_replicas_changes(
+    store: Store, clock: Clock
+) -> None:
+    """schedule brings a cached runner and lease up to date (one query for both)."""
+    first, second = store.open(), store.open()
+    register(first, "r1", at=clock(), allocatable=capacity(instances=2))
+    for sandbox_id in ("s1", "s2", "s3"):
+        create_sandbox(first, sandbox_id)
+    first.schedule(schedule_request("s1", clock()))  # first caches r1 and its lease
+    second.schedule(schedule_request("s2", clock()))  # the runner moves on elsewhere
+    with pytest.raises(HomeRunnerUnavailableError) as raised:
+        first.schedule(schedule_request("s3", clock()))
+    assert raised.value.evaluations[0].failures[0].shortfall == {"instances": 1}
+    later = clock.advance(seconds=31)  # r1's heartbeat is now stale for the first replica
+    second.record_heartbeat(
+        runner_id="r1", at=later, artifact_digests=[RUNTIME], materializations=[materialization()]
+    )
+    second.change_allocatable("r1", capacity(instances=3))
+    assignment, created = first.schedule(schedule_request("s3", later))
+    assert created
+    fenced = first.get_runner("r1")
+    assert fenced.reserved.instances == 3
+    assert assignment.runner_id == "r1"
