@@ -20,6 +20,7 @@ from domain.ids import lease_uuid, refusal_log_uuid, runner_uuid, sandbox_uuid
 from domain.placement import RunnerEvaluation, summarize_refusals
 from domain.values import DurableAssignment, RunnerSnapshot
 from infrastructure.application import SchedulerApplication
+from projections.notification_reader import read_pages
 from projections.read_models import RebuildReport, read_raw
 
 PAGE = 1000
@@ -43,20 +44,15 @@ def parse_until(text: str | None) -> Until:
 
 def _events(app: SchedulerApplication, until: Until) -> Iterator[tuple[int, Any]]:
     """(position, event) in log order, up to a position or to the first event after a time."""
-    after = 0
     stop = until if isinstance(until, int) else None
-    while True:
-        page = app.recorder.select_notifications(
-            start=after, limit=PAGE, stop=stop, inclusive_of_start=False
-        )
+    after_time = until if isinstance(until, datetime) else None
+    decode = app.mapper.to_domain_event
+    for page in read_pages(app.recorder, until=stop, page_size=PAGE):
         for notification in page:
-            event: Any = app.mapper.to_domain_event(notification)
-            if isinstance(until, datetime) and event.timestamp > until:
+            event: Any = decode(notification)
+            if after_time is not None and event.timestamp > after_time:
                 return
             yield notification.id, event
-        if len(page) < PAGE:
-            return
-        after = page[-1].id
 
 
 @dataclass
