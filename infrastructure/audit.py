@@ -7,8 +7,10 @@ aggregate cache, no projection. The CLI's ``audit`` commands print what these re
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -81,12 +83,29 @@ def fold(
     app: SchedulerApplication, until: Until = None, progress: Callable[[int], None] = lambda _: None
 ) -> AuditFold:
     audit = AuditFold()
-    for count, (position, event) in enumerate(_events(app, until), start=1):
-        audit.apply(position, event)
-        if count % PAGE == 0:
-            progress(PAGE)
-    audit.finish()
+    with _collector_paused():
+        for count, (position, event) in enumerate(_events(app, until), start=1):
+            audit.apply(position, event)
+            if count % PAGE == 0:
+                progress(PAGE)
+        audit.finish()
     return audit
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused for a replay. Decoding allocates a few
+    container objects per event and the fold keeps many of them, so the collector
+    would run every few hundred events and rescan the growing state each time it
+    reaches an older generation: about 40% of a replay on a 26,595-event log. Nothing
+    in a replay makes reference cycles; reference counting frees everything else."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def verify(
