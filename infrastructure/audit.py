@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import gc
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
+from queue import Full, Queue
 from typing import Any
 from uuid import UUID
 
@@ -25,6 +27,7 @@ from eventsourcing.persistence import (
     UUIDAsHex,
     find_id_convertor,
 )
+from eventsourcing.postgres import PostgresApplicationRecorder
 from eventsourcing.utils import resolve_topic
 
 from domain.assignment import to_durable_assignment
@@ -131,12 +134,57 @@ def _events(app: SchedulerApplication, until: Until) -> Iterator[tuple[int, Any]
     stop = until if isinstance(until, int) else None
     after_time = until if isinstance(until, datetime) else None
     decode = EventDecoder(app.mapper)
-    for page in read_pages(app.recorder, until=stop, page_size=PAGE):
+    pages = read_pages(app.recorder, until=stop, page_size=PAGE)
+    if isinstance(app.recorder, PostgresApplicationRecorder):
+        pages = _read_ahead(pages)
+    for page in pages:
         for notification in page:
             event: Any = decode(notification)
             if after_time is not None and event.timestamp > after_time:
                 return
             yield notification.id, event
+
+
+_END = object()
+
+
+def _read_ahead(pages: Iterator[list[Notification]]) -> Iterator[list[Notification]]:
+    """The same pages, each read in a background thread while the one before is folded:
+    the server's part of the next query, and the wait for its rows, overlap the fold."""
+    ahead: Queue[Any] = Queue(maxsize=1)
+    stopped = threading.Event()
+
+    def hand_over(item: Any) -> None:
+        while not stopped.is_set():
+            try:
+                ahead.put(item, timeout=0.05)
+                return
+            except Full:
+                continue
+
+    def read() -> None:
+        try:
+            for page in pages:
+                hand_over(page)
+                if stopped.is_set():
+                    return
+            hand_over(_END)
+        except BaseException as error:  # re-raised in the reading thread
+            hand_over(error)
+
+    reader = threading.Thread(target=read, name="audit-read-ahead", daemon=True)
+    reader.start()
+    try:
+        while True:
+            item = ahead.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stopped.set()
+        reader.join()
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from typing import Any
 from uuid import UUID
@@ -202,6 +203,23 @@ def test_verify_until_a_position_stops_before_the_break(
     assert not verify(history).ok
     assert verify(history, until=clean_head).ok
     assert verify(history, until=clean_head).events == clean_head
+
+
+def test_verify_until_a_time_stops_at_the_first_later_event(
+    history: SchedulerApplication, clock: Clock
+) -> None:
+    clean_head = history.head_position()
+    moment = clock.advance(seconds=1)
+    append(
+        history, Runner.AllocatableChanged, runner_uuid("r1"), timestamp=moment,
+        allocatable=capacity(instances=0).as_dict(),
+    )  # fmt: skip
+    history.start_drain("r1")
+    report = verify(history, until=moment - timedelta(microseconds=1))
+    assert report.ok
+    assert report.position == clean_head
+    assert not verify(history, until=moment).ok
+    assert not [t for t in threading.enumerate() if t.name == "audit-read-ahead"]
 
 
 def test_state_at_a_position(history: SchedulerApplication, clock: Clock) -> None:
