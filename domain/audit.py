@@ -78,6 +78,7 @@ class RunnerState:
     drain_phase: str = DRAIN_PHASE_ACTIVE
     deregistered: bool = False
     version: int = 1
+    checked: tuple[str, ...] = ()  # checked_dimensions(capabilities), set at registration
 
 
 @dataclass
@@ -88,9 +89,20 @@ class LeaseState:
     materializations: list[dict[str, str]] = field(default_factory=list)
     version: int = 1
     history: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+    snapshots: dict[int, tuple[MaterializationSnapshot, ...]] = field(default_factory=dict)
 
     def at_version(self, version: int) -> tuple[Any, ...]:
         return self.history.get(version, (None, [], []))
+
+    def materializations_at(self, version: int) -> tuple[MaterializationSnapshot, ...]:
+        """The lease's materializations at ``version`` as value objects (cached: the
+        fold replaces a lease's lists on each event and never changes them in place)."""
+        items = self.snapshots.get(version)
+        if items is None:
+            _, _, materializations = self.at_version(version)
+            items = tuple(MaterializationSnapshot.from_record(m) for m in materializations)
+            self.snapshots[version] = items
+        return items
 
 
 @dataclass
@@ -106,6 +118,21 @@ class SandboxState:
     tokens: set[str] = field(default_factory=set)
     fenced_at: dict[int, int] = field(default_factory=dict)
     placements: dict[int, dict[str, Any]] = field(default_factory=dict)
+    pinned: Requirements | None = None  # Requirements.from_record(requirements), cached
+
+
+class _Stream:
+    """What the fold holds for one originator id (looked up once per event)."""
+
+    __slots__ = ("lease", "runner", "sandbox")
+
+    def __init__(self) -> None:
+        self.runner: RunnerState | None = None
+        self.lease: LeaseState | None = None
+        self.sandbox: SandboxState | None = None
+
+
+_ZERO: dict[str, int] = dict.fromkeys(DIMENSIONS, 0)  # never mutated
 
 
 @dataclass
@@ -134,6 +161,9 @@ class AuditFold:
         self.owed: dict[str, dict[str, int]] = {}  # unreleased assignments' capacity by runner
         self.violations: list[Violation] = []
         self._current: Any = None
+        self._streams: dict[UUID, _Stream] = {}
+        self._stream: _Stream | None = None  # the current event's
+        self._names: dict[type[Any], tuple[str, str]] = {}
         self.pending: Pending | None = None
         self.position = 0
         self.events = 0
@@ -163,6 +193,7 @@ class AuditFold:
         self.position = position
         self.events += 1
         self._current = event
+        self._stream = self._streams.get(event.originator_id)
         pending = self.pending
         if pending is not None and not self._completes(pending, event):
             self._violate(
@@ -177,6 +208,8 @@ class AuditFold:
         elif isinstance(event, Sandbox.Event):
             self._sandbox_update(event)
         self._versions(event)
+        if len(self.violations) == found_before:
+            return []
         return self.violations[found_before:]
 
     def finish(self) -> list[Violation]:
@@ -196,36 +229,52 @@ class AuditFold:
 
     def _violate(self, rule: str, detail: str) -> None:
         event = self._current
-        name = type(event).__qualname__
-        stream = event.originator_id
-        runner = self.runners.get(stream)
-        lease = self.leases.get(stream)
-        sandbox = self.sandboxes.get(stream)
+        names = self._names.get(type(event))
+        if names is None:
+            name = type(event).__qualname__
+            names = self._names[type(event)] = (name, name.split(".")[0])
+        stream = self._stream
+        runner = stream.runner if stream else None
+        lease = stream.lease if stream else None
+        sandbox = stream.sandbox if stream else None
         label = (
             runner.runner_id if runner else lease.runner_id if lease
-            else sandbox.sandbox_id if sandbox else str(stream)
+            else sandbox.sandbox_id if sandbox else str(event.originator_id)
         )  # fmt: skip
         self.violations.append(
-            Violation(self.position, f"{name.split('.')[0]} {label}", name, rule, detail)
+            Violation(self.position, f"{names[1]} {label}", names[0], rule, detail)
         )
 
+    def _enter(self, stream_id: UUID) -> _Stream:
+        """The current event's stream entry, created for an aggregate's first event."""
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            stream = self._streams[stream_id] = _Stream()
+        self._stream = stream
+        return stream
+
     def _versions(self, event: Any) -> None:
-        runner = self.runners.get(event.originator_id)
+        stream = self._stream
+        if stream is None:
+            return
+        runner = stream.runner
         if runner is not None:
             runner.version = event.originator_version
-        lease = self.leases.get(event.originator_id)
+        lease = stream.lease
         if lease is not None:
             lease.version = event.originator_version
+            # The lists are shared, not copied: the fold replaces them, never mutates them.
             lease.history[lease.version] = (
                 lease.last_heartbeat_at,
-                list(lease.artifact_digests),
-                [dict(m) for m in lease.materializations],
+                lease.artifact_digests,
+                lease.materializations,
             )
+            lease.snapshots.pop(lease.version, None)
 
     # -- runners --------------------------------------------------------------
 
     def _registered(self, event: Any) -> None:
-        self.runners[event.originator_id] = RunnerState(
+        runner = self.runners[event.originator_id] = RunnerState(
             runner_id=event.runner_id,
             pool_name=event.pool_name,
             backend_kind=event.backend_kind,
@@ -236,32 +285,37 @@ class AuditFold:
             guest_protocol_minimum=event.guest_protocol_minimum,
             guest_protocol_maximum=event.guest_protocol_maximum,
         )
+        runner.checked = checked_dimensions(runner.capabilities)
+        self._enter(event.originator_id).runner = runner
         self.runner_streams[event.runner_id] = event.originator_id
 
     def _runner(self, event: Any) -> RunnerState | None:
-        runner = self.runners.get(event.originator_id)
+        runner = self._stream.runner if self._stream else None
         if runner is None:
             self._violate("history", "event of a runner that was never registered")
         return runner
 
     def _check_capacity(self, runner: RunnerState) -> None:
-        for dim in checked_dimensions(runner.capabilities):
-            if runner.reserved[dim] > runner.allocatable[dim]:
+        reserved, allocatable = runner.reserved, runner.allocatable
+        for dim in runner.checked:
+            if reserved[dim] > allocatable[dim]:
                 self._violate(
                     "invariant-1",
-                    f"runner {runner.runner_id!r} reserved {dim} {runner.reserved[dim]} > "
-                    f"allocatable {runner.allocatable[dim]}",
+                    f"runner {runner.runner_id!r} reserved {dim} {reserved[dim]} > "
+                    f"allocatable {allocatable[dim]}",
                 )
-            if runner.reserved[dim] < 0:
+            if reserved[dim] < 0:
                 self._violate("invariant-2", f"runner {runner.runner_id!r} reserved {dim} < 0")
 
     def _owe(self, runner_id: str, capacity: dict[str, int], sign: int) -> None:
-        owed = self.owed.setdefault(runner_id, dict.fromkeys(DIMENSIONS, 0))
+        owed = self.owed.get(runner_id)
+        if owed is None:
+            owed = self.owed[runner_id] = dict(_ZERO)
         for dim in DIMENSIONS:
             owed[dim] += sign * capacity[dim]
 
     def _check_ledger(self, runner: RunnerState) -> None:
-        owed = self.owed.get(runner.runner_id, dict.fromkeys(DIMENSIONS, 0))
+        owed = self.owed.get(runner.runner_id, _ZERO)
         if owed != runner.reserved:
             self._violate(
                 "invariant-2",
@@ -291,9 +345,11 @@ class AuditFold:
             )
         if event.reservation in runner.reservations:
             self._violate("invariant-3", f"second reservation {event.reservation!r}")
-        runner.reservations[event.reservation] = dict(event.capacity)
+        capacity = event.capacity
+        runner.reservations[event.reservation] = dict(capacity)
+        reserved = runner.reserved
         for dim in DIMENSIONS:
-            runner.reserved[dim] += event.capacity[dim]
+            reserved[dim] += capacity[dim]
         self._check_capacity(runner)
         if pending is not None and pending.kind == "reserve":
             self._check_ledger(runner)
@@ -317,8 +373,9 @@ class AuditFold:
                 "invariant-6",
                 f"capacity of {event.reservation!r} released without the assignment's release",
             )
+        capacity, reserved = event.capacity, runner.reserved
         for dim in DIMENSIONS:
-            runner.reserved[dim] -= event.capacity[dim]
+            reserved[dim] -= capacity[dim]
         self._check_capacity(runner)
         self._check_ledger(runner)
 
@@ -348,15 +405,16 @@ class AuditFold:
         lease = LeaseState(event.runner_id)
         lease.history[1] = (None, [], [])
         self.leases[event.originator_id] = lease
+        self._enter(event.originator_id).lease = lease
         self.lease_of[event.runner_id] = event.originator_id
 
     def _lease_renewed(self, event: Any) -> None:
-        lease = self.leases.get(event.originator_id)
+        lease = self._stream.lease if self._stream else None
         if lease is not None:
             lease.last_heartbeat_at = event.at
 
     def _lease_evidence(self, event: Any) -> None:
-        lease = self.leases.get(event.originator_id)
+        lease = self._stream.lease if self._stream else None
         if lease is not None:
             lease.last_heartbeat_at = event.at
             lease.artifact_digests = list(event.artifact_digests)
@@ -365,7 +423,7 @@ class AuditFold:
     # -- sandboxes ------------------------------------------------------------
 
     def _sandbox_created(self, event: Any) -> None:
-        self.sandboxes[event.originator_id] = SandboxState(
+        sandbox = self.sandboxes[event.originator_id] = SandboxState(
             sandbox_id=event.sandbox_id,
             workspace_id=event.workspace_id,
             profile_revision_id=event.profile_revision_id,
@@ -373,10 +431,11 @@ class AuditFold:
             home_runner_id=event.home_runner_id,
             home_decision=dict(event.home_decision),
         )
+        self._enter(event.originator_id).sandbox = sandbox
         self.sandbox_streams[event.sandbox_id] = event.originator_id
 
     def _sandbox(self, event: Any) -> SandboxState | None:
-        sandbox = self.sandboxes.get(event.originator_id)
+        sandbox = self._stream.sandbox if self._stream else None
         if sandbox is None:
             self._violate("history", "event of a sandbox that was never created")
         return sandbox
@@ -416,7 +475,9 @@ class AuditFold:
                 "invariant-4",
                 f"assignment on {runner_id!r} but the home runner is {sandbox.home_runner_id!r}",
             )
-        requirements = Requirements.from_record(sandbox.requirements)
+        requirements = sandbox.pinned
+        if requirements is None:
+            requirements = sandbox.pinned = Requirements.from_record(sandbox.requirements)
         evidence = RunnerSnapshot.from_record(placement["runner"])
         decided_at = placement["decided_at"]
         timeout = timedelta(seconds=placement["heartbeat_timeout_seconds"])
@@ -472,12 +533,11 @@ class AuditFold:
         if version > lease.version:
             self._violate("invariant-4", f"evidence of lease version {version} not yet recorded")
             return
-        heartbeat, digests, materializations = lease.at_version(version)
-        items = [MaterializationSnapshot.from_record(m) for m in materializations]
+        heartbeat, digests, _ = lease.at_version(version)
         if (
             heartbeat != evidence.last_heartbeat_at
             or tuple(digests) != evidence.artifact_digests
-            or tuple(items) != evidence.materializations
+            or lease.materializations_at(version) != evidence.materializations
         ):
             self._violate(
                 "invariant-4",

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from typing import Any
 from uuid import UUID
 
 import pytest
+from eventsourcing.persistence import MapperDeserialisationError, Notification
 from typer.testing import CliRunner
 
 from domain import HomeRunnerUnavailableError, NoCompatibleRunnerError
@@ -14,8 +16,9 @@ from domain.ids import runner_uuid, sandbox_uuid
 from domain.runner import Runner
 from domain.sandbox import Sandbox
 from infrastructure import SchedulerApplication
-from infrastructure.audit import explain, state_at, timeline, verify
+from infrastructure.audit import EventDecoder, explain, state_at, timeline, verify
 from infrastructure.cli import cli
+from projections.notification_reader import read_pages
 from tests.conftest import Clock
 from tests.factories import (
     CAPABILITIES,
@@ -202,6 +205,23 @@ def test_verify_until_a_position_stops_before_the_break(
     assert verify(history, until=clean_head).events == clean_head
 
 
+def test_verify_until_a_time_stops_at_the_first_later_event(
+    history: SchedulerApplication, clock: Clock
+) -> None:
+    clean_head = history.head_position()
+    moment = clock.advance(seconds=1)
+    append(
+        history, Runner.AllocatableChanged, runner_uuid("r1"), timestamp=moment,
+        allocatable=capacity(instances=0).as_dict(),
+    )  # fmt: skip
+    history.start_drain("r1")
+    report = verify(history, until=moment - timedelta(microseconds=1))
+    assert report.ok
+    assert report.position == clean_head
+    assert not verify(history, until=moment).ok
+    assert not [t for t in threading.enumerate() if t.name == "audit-read-ahead"]
+
+
 def test_state_at_a_position(history: SchedulerApplication, clock: Clock) -> None:
     before_release = history.head_position()
     history.release("s1", 1, b"\x01" * 32, PROOF)
@@ -320,3 +340,21 @@ def test_a_clean_history_from_simulate_verifies(postgres_schema: Any, tmp_path: 
             assert report.events == app.event_count()
         finally:
             app.close()
+
+
+def test_the_replay_decoder_decodes_as_the_mapper(history: SchedulerApplication) -> None:
+    decode = EventDecoder(history.mapper)
+    assert decode.lean
+    notifications = [n for page in read_pages(history.recorder) for n in page]
+    assert notifications
+    for notification in notifications:
+        lean, usual = decode(notification), history.mapper.to_domain_event(notification)
+        assert type(lean) is type(usual)
+        assert vars(lean) == vars(usual)
+    broken = notifications[0]
+    garbled = Notification(
+        id=broken.id, originator_id=broken.originator_id,
+        originator_version=broken.originator_version, topic=broken.topic, state=b"{oops",
+    )  # fmt: skip
+    with pytest.raises(MapperDeserialisationError):
+        decode(garbled)
