@@ -1,15 +1,20 @@
 """The scheduler's read models: construction, catch-up, rebuild and status.
 
 Both projections keep their rows and their tracking position in the application's own
-database. ``catch_up`` reads the notification log after each view's position in pages
-and applies each page in one transaction with the page's last position (exactly once:
-a replica that loses the race for a page rolls back and reads the new position).
+database. ``catch_up`` reads the notification log after each view's position in pages,
+only the topics some projection handles (:func:`handled_topics`), and applies each page
+in one transaction with the position the page reaches (exactly once: a replica that
+loses the race for a page rolls back and reads the new position). A page's row changes
+are folded into one net change per row before they are written
+(:mod:`projections.row_changes`); a rebuild reads much bigger pages than the inline
+catch-up, so it writes each row about once.
 ``projections run`` follows the log live with eventsourcing's ``ProjectionRunner``
 instead (:func:`projection_runners`).
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +26,7 @@ from eventsourcing.persistence import IntegrityError, Notification, Tracking
 from eventsourcing.postgres import PostgresApplicationRecorder
 from eventsourcing.projection import Projection, ProjectionRunner
 from eventsourcing.sqlite import SQLiteApplicationRecorder
+from eventsourcing.utils import get_topic
 
 from projections.assignments import (
     AssignmentsProjection,
@@ -28,15 +34,17 @@ from projections.assignments import (
     PostgresAssignmentsView,
     SQLiteAssignmentsView,
 )
+from projections.notification_reader import select_page
 from projections.runner_snapshots import (
     PostgresRunnerSnapshotsView,
     RunnerSnapshotsProjection,
     RunnerSnapshotsView,
     SQLiteRunnerSnapshotsView,
 )
-from projections.sql_view import Change, SqlView
+from projections.sql_view import SqlView
 
-PAGE = 1000
+PAGE = 1000  # notifications of the handled topics per page (and per transaction)
+REBUILD_PAGE = 20_000  # a rebuild's pages: fewer, bigger transactions, rows written ~once
 
 PROJECTIONS: dict[str, type[Projection[Any]]] = {
     "runner_snapshots": RunnerSnapshotsProjection,
@@ -52,6 +60,14 @@ VIEWS: dict[str, dict[str, type[SqlView]]] = {
         "assignments": PostgresAssignmentsView,
     },
 }
+
+
+def handled_topics(projection_class: type[Projection[Any]]) -> tuple[str, ...]:
+    """The topics of the events registered on the projection's ``changes``
+    (a ``singledispatchmethod``): other events change no row and need not be read."""
+    changes = inspect.getattr_static(projection_class, "changes")
+    registry = changes.dispatcher.registry
+    return tuple(sorted(get_topic(cls) for cls in registry if cls is not object))
 
 
 def supports_read_models(app: Application[Any]) -> bool:
@@ -96,6 +112,9 @@ class ReadModels:
             view.ensure_position(app.name)
             self.views[name] = view
             self.projections[name] = PROJECTIONS[name](view)
+        self.topics = tuple(
+            sorted({topic for cls in PROJECTIONS.values() for topic in handled_topics(cls)})
+        )
         self._lock = threading.Lock()
 
     @property
@@ -113,56 +132,65 @@ class ReadModels:
     def position(self, name: str) -> int:
         return self.views[name].max_tracking_id(self.app.name) or 0
 
-    def _pages(self, after: int, until: int | None) -> Iterator[list[Notification]]:
-        while True:
-            page = self.app.recorder.select_notifications(
-                start=after, limit=PAGE, stop=until, inclusive_of_start=False
-            )
-            if not page:
-                return
-            yield list(page)
-            after = page[-1].id
-            if len(page) < PAGE:
-                return
+    def _pages(
+        self, after: int, end: int, page_size: int = PAGE
+    ) -> Iterator[tuple[list[Notification], int]]:
+        """Pages of the handled notifications in (``after``, ``end``], each with the
+        position it reaches: its last notification's, or ``end`` for the last page (the
+        notifications of other topics in between are covered too). The last page may be
+        empty: it moves the positions to ``end``."""
+        while after < end:
+            page = select_page(self.app.recorder, after, end, self.topics, page_size)
+            reached = page[-1].id if len(page) == page_size else end
+            yield page, reached
+            after = reached
 
     def catch_up(
         self,
         until: int | None = None,
         progress: Callable[[int], None] = lambda _: None,
+        page_size: int = PAGE,
     ) -> int:
-        """Apply every notification after each view's position (up to ``until``).
+        """Apply every notification after each view's position, up to ``until`` (or the
+        log's head when the catch-up starts), and move each position there.
 
-        One pass over the log: each page is read and decoded once, then applied to
-        each view that has not seen it, in one transaction per view with the page's
-        last position. Returns how many notifications were read.
+        One pass over the log: each page of handled notifications is read and decoded
+        once, then applied to each view that has not seen it, in one transaction per view
+        with the position the page reaches. ``progress`` is called with how many
+        positions each page covered. Returns how many notifications were read (those of
+        the handled topics).
         """
         with self._lock:
             while True:
                 try:
-                    return self._catch_up(until, progress)
+                    return self._catch_up(until, progress, page_size)
                 except IntegrityError:
                     continue  # another replica applied a page first: read the new positions
 
-    def _catch_up(self, until: int | None, progress: Callable[[int], None]) -> int:
+    def _catch_up(self, until: int | None, progress: Callable[[int], None], page_size: int) -> int:
         positions = {name: self.position(name) for name in self.views}
+        head = self.app.recorder.max_notification_id() or 0
+        end = head if until is None else min(until, head)
+        after = min(positions.values())
         read = 0
         mapper = self.app.mapper
-        for page in self._pages(min(positions.values()), until):
+        for page, reached in self._pages(after, end, page_size):
             events = [(n.id, mapper.to_domain_event(n)) for n in page]
             for name, projection in self.projections.items():
-                fresh = [event for position, event in events if position > positions[name]]
-                if not fresh:
+                if positions[name] >= reached:
                     continue
                 changes_of = projection.changes  # type: ignore[attr-defined]
-                changes: list[Change] = []
-                for event in fresh:
-                    changes.extend(changes_of(event))
+                net = self.views[name].net()
+                for position, event in events:
+                    if position > positions[name]:
+                        net.extend(changes_of(event))
                 self.views[name].apply(
-                    changes, Tracking(self.app.name, page[-1].id), expected=positions[name]
+                    net, Tracking(self.app.name, reached), expected=positions[name]
                 )
-                positions[name] = page[-1].id
+                positions[name] = reached
             read += len(page)
-            progress(len(page))
+            progress(reached - after)
+            after = reached
         return read
 
     def wait(self, position: int, timeout: float = 5.0) -> None:
@@ -275,8 +303,13 @@ def rebuild(
     progress: Callable[[int], None] = lambda _: None,
     raw_progress: Callable[[int], None] = lambda _: None,
 ) -> RebuildReport:
-    """Forget the read models and apply the whole log again; time the raw read too."""
-    _, raw_seconds = timed(lambda: read_raw(read_models.app, raw_progress))
+    """Forget the read models and apply the whole log again (up to the head at the
+    start), in pages of ``REBUILD_PAGE``; time the raw read of the same notifications
+    too. ``events`` counts every notification of that range."""
+    head = read_models.app.recorder.max_notification_id() or 0
+    events, raw_seconds = timed(lambda: read_raw(read_models.app, raw_progress, until=head))
     read_models.clear()
-    events, seconds = timed(lambda: read_models.catch_up(progress=progress))
+    _, seconds = timed(
+        lambda: read_models.catch_up(until=head, progress=progress, page_size=REBUILD_PAGE)
+    )
     return RebuildReport(events=events, seconds=seconds, raw_read_seconds=raw_seconds)

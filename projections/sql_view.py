@@ -6,6 +6,11 @@ covers, so each notification is applied exactly once, across crashes and restart
 (the position only moves with the rows, and a second writer of the same position
 fails on the tracking row and rolls back).
 
+The changes are row-level (:mod:`projections.row_changes`): a batch is folded in memory
+into one net change per row, then written with one ``executemany`` per statement shape
+(pipelined by psycopg on PostgreSQL), and many inserted rows with ``COPY`` on
+PostgreSQL.
+
 The SQL is written once with ``%s`` placeholders and ``{table}`` names; the SQLite
 flavour turns ``%s`` into ``?``. Times are stored as fixed-width ISO text (UTC,
 microseconds), which sorts and compares correctly as text on both databases.
@@ -14,8 +19,7 @@ microseconds), which sorts and compares correctly as text on both databases.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
@@ -24,6 +28,9 @@ from eventsourcing.postgres import PostgresDatastore, PostgresTrackingRecorder
 from eventsourcing.sqlite import SQLiteDatastore, SQLiteTrackingRecorder
 from psycopg.sql import SQL, Composable, Composed, Identifier
 
+from projections.row_changes import Key, NetChanges, RowChange
+
+COPY_MIN_ROWS = 64  # PostgreSQL: from this many inserted rows, COPY instead of INSERTs
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
 
 
@@ -41,20 +48,13 @@ def to_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
-@dataclass(frozen=True)
-class Change:
-    """One SQL statement of a view change: ``{table}`` is the view's main table."""
-
-    sql: str
-    params: tuple[Any, ...] = ()
-
-
 class SqlView(TrackingRecorder):
     """Shared logic of the views: table DDL, batched changes with tracking, queries."""
 
     projection_name: ClassVar[str]
     table: ClassVar[str]
     ddl: ClassVar[tuple[str, ...]]  # CREATE statements, with {table}
+    keys: ClassVar[tuple[Key, ...]]  # unique keys by which updates name their rows
 
     def _name(self, table: str) -> str:
         raise NotImplementedError
@@ -65,16 +65,24 @@ class SqlView(TrackingRecorder):
     def _format(self, sql: str) -> str:
         return sql.format(table=self._name(self.table))
 
+    def net(self, changes: Iterable[RowChange] = ()) -> NetChanges:
+        """A batch of this view's row changes, folded into one net change per row."""
+        return NetChanges(self.keys).extend(changes)
+
     def apply(
-        self, changes: Sequence[Change], tracking: Tracking, expected: int | None = None
+        self,
+        changes: Iterable[RowChange] | NetChanges,
+        tracking: Tracking,
+        expected: int | None = None,
     ) -> None:
-        """Apply ``changes`` and record ``tracking`` in one transaction.
+        """Apply ``changes`` (folded first) and record ``tracking`` in one transaction.
 
         With ``expected`` (a batch that starts after that position), the position row is
         locked first and must still be ``expected``: two processes catching up the same
         batch concurrently cannot both apply it, even when their batches end at different
         positions (the tracking row alone only forbids going backwards).
         """
+        net = changes if isinstance(changes, NetChanges) else self.net(changes)
         with self.datastore.transaction(commit=True) as cursor:  # type: ignore[attr-defined]
             if expected is not None:
                 position = self._locked_position(cursor, tracking.application_name)
@@ -82,9 +90,31 @@ class SqlView(TrackingRecorder):
                     raise IntegrityError(
                         f"{self.projection_name}: position moved from {expected} to {position}"
                     )
-            for change in changes:
-                cursor.execute(self._sql(self._format(change.sql)), change.params)
+            self._write(cursor, net)
             self._insert_tracking(cursor, tracking)  # type: ignore[attr-defined]
+
+    def _write(self, cursor: Any, net: NetChanges) -> None:
+        for columns, rows in net.insert_groups().items():
+            self._insert_rows(cursor, columns, rows)
+        for (key, set_columns, add_columns), params in net.update_groups().items():
+            assignments = [f"{column} = %s" for column in set_columns]
+            assignments += [f"{column} = {column} + %s" for column in add_columns]
+            where = " AND ".join(f"{column} = %s" for column in key)
+            statement = f"UPDATE {{table}} SET {', '.join(assignments)} WHERE {where}"
+            self._executemany(cursor, statement, params)
+
+    def _insert_rows(
+        self, cursor: Any, columns: tuple[str, ...], rows: list[tuple[Any, ...]]
+    ) -> None:
+        placeholders = ", ".join("%s" for _ in columns)
+        statement = f"INSERT INTO {{table}} ({', '.join(columns)}) VALUES ({placeholders})"
+        self._executemany(cursor, statement, rows)
+
+    def _executemany(self, cursor: Any, statement: str, params: list[tuple[Any, ...]]) -> None:
+        if len(params) == 1:
+            cursor.execute(self._sql(self._format(statement)), params[0])
+        else:
+            cursor.executemany(self._sql(self._format(statement)), params)
 
     def _locked_position(self, cursor: Any, application_name: str) -> int:
         raise NotImplementedError
@@ -197,9 +227,19 @@ class PostgresSqlView(SqlView, PostgresTrackingRecorder):
     def _sql(self, sql: str) -> Composable:
         return SQL(sql)
 
+    def _insert_rows(
+        self, cursor: Any, columns: tuple[str, ...], rows: list[tuple[Any, ...]]
+    ) -> None:
+        if len(rows) < COPY_MIN_ROWS:
+            super()._insert_rows(cursor, columns, rows)
+            return
+        statement = f"COPY {self._name(self.table)} ({', '.join(columns)}) FROM STDIN"
+        with cursor.copy(SQL(statement)) as copy:
+            for row in rows:
+                copy.write_row(row)
+
 
 __all__ = [
-    "Change",
     "Identifier",
     "PostgresSqlView",
     "SQLiteSqlView",

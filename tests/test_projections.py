@@ -318,8 +318,8 @@ def test_concurrent_batched_catch_ups_apply_each_event_once(store: Store, clock:
     ahead, behind = read_models_of(first), read_models_of(second)
     original = behind._pages
 
-    def interleaved(after: int, until: int | None) -> Iterator[list[Any]]:
-        for page in original(after, until):
+    def interleaved(after: int, end: int, page_size: int = 1000) -> Iterator[Any]:
+        for page in original(after, end, page_size):
             ahead.catch_up(until=(after + head) // 2)  # overtakes part of this page
             yield page
 
