@@ -64,6 +64,10 @@ class AssignmentsView(SqlView):
         "CREATE INDEX IF NOT EXISTS assignments_due ON {table} (next_reconcile_at)",
     )
     keys = (("sandbox_stream", "generation"),)
+    encoders = {
+        **dict.fromkeys(TIME_FIELDS, time_text),
+        **dict.fromkeys(JSON_FIELDS, to_json),
+    }
 
     def _select(
         self,
@@ -130,7 +134,7 @@ def _update(event: Any, **columns: Any) -> Update:
     return Update(
         ("sandbox_stream", "generation"),
         (event.originator_id.hex, event.generation),
-        {**columns, "updated_at": time_text(event.timestamp)},
+        {**columns, "updated_at": event.timestamp},
         {"revision": 1},
     )
 
@@ -146,13 +150,8 @@ class AssignmentsProjection(Projection[AssignmentsView]):
 
     @changes.register
     def _(self, event: Sandbox.AssignmentFenced) -> list[RowChange]:
-        record = dict(event.assignment)
-        values: dict[str, Any] = {**record, "sandbox_stream": event.originator_id.hex}
-        for name in TIME_FIELDS:
-            values[name] = time_text(record[name])
-        for name in JSON_FIELDS:
-            values[name] = None if record[name] is None else to_json(record[name])
-        return [Insert({name: values[name] for name in COLUMNS})]
+        values: dict[str, Any] = {**event.assignment, "sandbox_stream": event.originator_id.hex}
+        return [Insert({name: values[name] for name in COLUMNS})]  # encoded when written
 
     @changes.register
     def _(self, event: Sandbox.AssignmentRunning) -> list[RowChange]:
@@ -160,9 +159,7 @@ class AssignmentsProjection(Projection[AssignmentsView]):
 
     @changes.register
     def _(self, event: Sandbox.AssignmentReleased) -> list[RowChange]:
-        return [
-            _update(event, state=STATE_RELEASED, release_proof=to_json(dict(event.release_proof)))
-        ]
+        return [_update(event, state=STATE_RELEASED, release_proof=dict(event.release_proof))]
 
     @changes.register
     def _(self, event: Sandbox.AssignmentFailed) -> list[RowChange]:
@@ -181,7 +178,7 @@ class AssignmentsProjection(Projection[AssignmentsView]):
             _update(
                 event,
                 reconcile_owner=event.owner,
-                reconcile_claim_expires_at=time_text(event.until),
+                reconcile_claim_expires_at=event.until,
             )
         ]
 
@@ -194,8 +191,8 @@ class AssignmentsProjection(Projection[AssignmentsView]):
         return [
             _update(
                 event,
-                next_reconcile_at=time_text(event.next_reconcile_at),
-                operation_deadline=time_text(event.operation_deadline),
+                next_reconcile_at=event.next_reconcile_at,
+                operation_deadline=event.operation_deadline,
             )
         ]
 

@@ -6,7 +6,9 @@ final change per row: an update of a row inserted in the same batch lands in the
 inserted values, and successive updates of one row become one update (``set`` columns:
 the last value wins; ``add`` columns: the deltas add up). The view then writes the
 batch with one statement per shape (``executemany``), or ``COPY`` for many inserted
-rows on PostgreSQL, instead of one statement per change.
+rows on PostgreSQL, instead of one statement per change. Values are kept as Python
+values until then: a view's ``encoders`` (JSON, time text) run once per net row, not
+once per change.
 
 The fold gives the same rows as applying the changes one by one, provided that:
 
@@ -21,11 +23,12 @@ The fold gives the same rows as applying the changes one by one, provided that:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 Key = tuple[str, ...]
+Encoders = Mapping[str, Callable[[Any], Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,23 +120,49 @@ class NetChanges:
             else:
                 pending.add[column] = pending.add.get(column, 0) + delta
 
-    def insert_groups(self) -> dict[tuple[str, ...], list[tuple[Any, ...]]]:
-        """Inserted rows grouped by their columns, as value tuples in insertion order."""
+    def insert_groups(self, encoders: Encoders) -> dict[tuple[str, ...], list[tuple[Any, ...]]]:
+        """Inserted rows grouped by their columns, as value tuples in insertion order,
+        with ``encoders`` applied to their columns' values (not to NULLs)."""
         groups: dict[tuple[str, ...], list[tuple[Any, ...]]] = {}
         for row in self.inserts:
             groups.setdefault(tuple(row), []).append(tuple(row.values()))
-        return groups
+        return {
+            columns: _encoded(columns, rows, encoders, len(columns))
+            for columns, rows in groups.items()
+        }
 
     def update_groups(
-        self,
+        self, encoders: Encoders
     ) -> dict[tuple[Key, tuple[str, ...], tuple[str, ...]], list[tuple[Any, ...]]]:
         """Net updates grouped by shape (key, set columns, add columns), as parameter
-        tuples: set values, add deltas, then the key values."""
+        tuples: set values (encoded), add deltas, then the key values."""
         groups: dict[tuple[Key, tuple[str, ...], tuple[str, ...]], list[tuple[Any, ...]]] = {}
         for pending in self.updates.values():
             params = (*pending.set.values(), *pending.add.values(), *pending.match)
             groups.setdefault(pending.shape(), []).append(params)
-        return groups
+        return {
+            shape: _encoded(shape[1], rows, encoders, len(shape[1]))
+            for shape, rows in groups.items()
+        }
 
 
-__all__ = ["Insert", "Key", "NetChanges", "PendingUpdate", "RowChange", "Update"]
+def _encoded(
+    columns: tuple[str, ...], rows: list[tuple[Any, ...]], encoders: Encoders, width: int
+) -> list[tuple[Any, ...]]:
+    """``rows`` with their first ``width`` values (of ``columns``) encoded."""
+    coded = [(index, encoders[column]) for index, column in enumerate(columns[:width])
+             if column in encoders]  # fmt: skip
+    if not coded:
+        return rows
+    result = []
+    for row in rows:
+        values = list(row)
+        for index, encode in coded:
+            value = values[index]
+            if value is not None:
+                values[index] = encode(value)
+        result.append(tuple(values))
+    return result
+
+
+__all__ = ["Encoders", "Insert", "Key", "NetChanges", "PendingUpdate", "RowChange", "Update"]

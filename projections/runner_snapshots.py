@@ -50,6 +50,13 @@ class RunnerSnapshotsView(SqlView):
         "ON {table} (pool_name, architecture)",
     )
     keys = (("stream_id",), ("lease_id",))  # Runner events, RunnerLease events
+    encoders = {
+        "capabilities": to_json,
+        "artifact_digests": to_json,
+        "materializations": to_json,
+        "supported_egress_contexts": to_json,
+        "last_heartbeat_at": time_text,
+    }
 
     def snapshots(
         self, pool_name: str | None = None, architecture: str | None = None
@@ -148,14 +155,14 @@ class RunnerSnapshotsProjection(Projection[RunnerSnapshotsView]):
             event.pool_name,
             event.backend_kind,
             event.architecture,
-            to_json(sorted(event.capabilities)),
+            sorted(event.capabilities),
             *(event.allocatable[dim] for dim in DIMENSIONS),
             *(0 for _ in DIMENSIONS),
             "active",
             None,
-            "[]",
-            "[]",
-            to_json(sorted(event.supported_egress_contexts)),
+            [],
+            [],
+            sorted(event.supported_egress_contexts),
             event.guest_protocol_minimum,
             event.guest_protocol_maximum,
             0,
@@ -191,16 +198,16 @@ class RunnerSnapshotsProjection(Projection[RunnerSnapshotsView]):
 
     @changes.register
     def _(self, event: RunnerLease.LivenessRenewed) -> list[RowChange]:
-        return [_lease_update(event, last_heartbeat_at=time_text(event.at))]
+        return [_lease_update(event, last_heartbeat_at=event.at)]
 
     @changes.register
     def _(self, event: RunnerLease.EvidenceRecorded) -> list[RowChange]:
         return [
             _lease_update(
                 event,
-                last_heartbeat_at=time_text(event.at),
-                artifact_digests=to_json(list(event.artifact_digests)),
-                materializations=to_json([dict(item) for item in event.materializations]),
+                last_heartbeat_at=event.at,
+                artifact_digests=event.artifact_digests,
+                materializations=[dict(item) for item in event.materializations],
             )
         ]
 

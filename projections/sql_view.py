@@ -28,7 +28,7 @@ from eventsourcing.postgres import PostgresDatastore, PostgresTrackingRecorder
 from eventsourcing.sqlite import SQLiteDatastore, SQLiteTrackingRecorder
 from psycopg.sql import SQL, Composable, Composed, Identifier
 
-from projections.row_changes import Key, NetChanges, RowChange
+from projections.row_changes import Encoders, Key, NetChanges, RowChange
 
 COPY_MIN_ROWS = 64  # PostgreSQL: from this many inserted rows, COPY instead of INSERTs
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
@@ -55,6 +55,7 @@ class SqlView(TrackingRecorder):
     table: ClassVar[str]
     ddl: ClassVar[tuple[str, ...]]  # CREATE statements, with {table}
     keys: ClassVar[tuple[Key, ...]]  # unique keys by which updates name their rows
+    encoders: ClassVar[Encoders] = {}  # column -> Python value to stored value (not NULL)
 
     def _name(self, table: str) -> str:
         raise NotImplementedError
@@ -94,9 +95,9 @@ class SqlView(TrackingRecorder):
             self._insert_tracking(cursor, tracking)  # type: ignore[attr-defined]
 
     def _write(self, cursor: Any, net: NetChanges) -> None:
-        for columns, rows in net.insert_groups().items():
+        for columns, rows in net.insert_groups(self.encoders).items():
             self._insert_rows(cursor, columns, rows)
-        for (key, set_columns, add_columns), params in net.update_groups().items():
+        for (key, set_columns, add_columns), params in net.update_groups(self.encoders).items():
             assignments = [f"{column} = %s" for column in set_columns]
             assignments += [f"{column} = {column} + %s" for column in add_columns]
             where = " AND ".join(f"{column} = %s" for column in key)
