@@ -31,14 +31,15 @@ Key = tuple[str, ...]
 Encoders = Mapping[str, Callable[[Any], Any]]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Insert:
-    """Insert a row with these column values."""
+    """Insert a row with these column values (a batch folds later updates of the row
+    into this dictionary: give each change its own)."""
 
     values: dict[str, Any]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Update:
     """Update the row whose ``key`` columns equal ``match``: ``set`` columns to values,
     ``add`` deltas to columns (a NULL column stays NULL, as in SQL)."""
@@ -88,7 +89,7 @@ class NetChanges:
         return self
 
     def insert(self, change: Insert) -> None:
-        row = dict(change.values)
+        row = change.values  # the fold updates it in place: a change is used once
         self.inserts.append(row)
         for key in self.keys:
             alias = (key, tuple(row[column] for column in key))

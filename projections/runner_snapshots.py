@@ -31,6 +31,8 @@ from projections.sql_view import (
 DIMENSIONS = Capacity.DIMENSIONS
 ALLOCATABLE = [f"allocatable_{dim}" for dim in DIMENSIONS]
 RESERVED = [f"reserved_{dim}" for dim in DIMENSIONS]
+_ALLOCATABLE_OF = tuple(zip(ALLOCATABLE, DIMENSIONS, strict=True))
+_RESERVED_OF = tuple(zip(RESERVED, DIMENSIONS, strict=True))
 
 
 class RunnerSnapshotsView(SqlView):
@@ -141,35 +143,33 @@ class RunnerSnapshotsProjection(Projection[RunnerSnapshotsView]):
 
     @changes.register
     def _(self, event: Runner.Registered) -> list[RowChange]:
-        columns = [
-            "runner_id", "stream_id", "lease_id", "pool_name", "backend_kind", "architecture",
-            "capabilities", *ALLOCATABLE, *RESERVED, "drain_phase", "last_heartbeat_at",
-            "artifact_digests", "materializations", "supported_egress_contexts",
-            "guest_protocol_minimum", "guest_protocol_maximum", "deregistered", "version",
-            "lease_version",
-        ]  # fmt: skip
-        values = [
-            event.runner_id,
-            event.originator_id.hex,
-            lease_uuid(event.runner_id).hex,
-            event.pool_name,
-            event.backend_kind,
-            event.architecture,
-            sorted(event.capabilities),
-            *(event.allocatable[dim] for dim in DIMENSIONS),
-            *(0 for _ in DIMENSIONS),
-            "active",
-            None,
-            [],
-            [],
-            sorted(event.supported_egress_contexts),
-            event.guest_protocol_minimum,
-            event.guest_protocol_maximum,
-            0,
-            event.originator_version,
-            0,
-        ]
-        return [Insert(dict(zip(columns, values, strict=True)))]
+        allocatable = event.allocatable
+        row: dict[str, Any] = {
+            "runner_id": event.runner_id,
+            "stream_id": event.originator_id.hex,
+            "lease_id": lease_uuid(event.runner_id).hex,
+            "pool_name": event.pool_name,
+            "backend_kind": event.backend_kind,
+            "architecture": event.architecture,
+            "capabilities": sorted(event.capabilities),
+        }
+        for column, dim in _ALLOCATABLE_OF:
+            row[column] = allocatable[dim]
+        for column in RESERVED:
+            row[column] = 0
+        row.update(
+            drain_phase="active",
+            last_heartbeat_at=None,
+            artifact_digests=[],
+            materializations=[],
+            supported_egress_contexts=sorted(event.supported_egress_contexts),
+            guest_protocol_minimum=event.guest_protocol_minimum,
+            guest_protocol_maximum=event.guest_protocol_maximum,
+            deregistered=0,
+            version=event.originator_version,
+            lease_version=0,
+        )
+        return [Insert(row)]
 
     @changes.register
     def _(self, event: Runner.CapacityReserved) -> list[RowChange]:
@@ -189,7 +189,7 @@ class RunnerSnapshotsProjection(Projection[RunnerSnapshotsView]):
 
     @changes.register
     def _(self, event: Runner.AllocatableChanged) -> list[RowChange]:
-        allocatable = {f"allocatable_{dim}": event.allocatable[dim] for dim in DIMENSIONS}
+        allocatable = {column: event.allocatable[dim] for column, dim in _ALLOCATABLE_OF}
         return [_runner_update(event, **allocatable)]
 
     @changes.register
@@ -220,5 +220,5 @@ def _capacity_delta(event: Any, capacity: dict[str, int], sign: int) -> Update:
         ("stream_id",),
         (event.originator_id.hex,),
         {"version": event.originator_version},
-        {f"reserved_{dim}": sign * capacity[dim] for dim in DIMENSIONS},
+        {column: sign * capacity[dim] for column, dim in _RESERVED_OF},
     )

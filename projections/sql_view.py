@@ -35,7 +35,12 @@ TIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
 
 
 def time_text(value: datetime | None) -> str | None:
-    return None if value is None else value.astimezone(UTC).strftime(TIME_FORMAT)
+    if value is None:
+        return None
+    utc = value if value.tzinfo is UTC else value.astimezone(UTC)
+    if utc.year < 1000:  # strftime's %Y is not zero-padded there; isoformat is
+        return utc.strftime(TIME_FORMAT)
+    return utc.replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"  # = TIME_FORMAT
 
 
 def text_time(value: str | None) -> datetime | None:
@@ -44,8 +49,13 @@ def text_time(value: str | None) -> datetime | None:
     return datetime.strptime(value, TIME_FORMAT).replace(tzinfo=UTC)
 
 
+_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+
+
 def to_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    """Canonical JSON text (sorted keys, no spaces), as ``json.dumps`` with those options
+    but without building an encoder per call."""
+    return _JSON.encode(value)
 
 
 class SqlView(TrackingRecorder):
