@@ -19,6 +19,7 @@ import inspect
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,7 @@ from projections.runner_snapshots import (
 from projections.sql_view import SqlView
 
 PAGE = 1000  # notifications of the handled topics per page (and per transaction)
+READ_CHUNK = 5_000  # notifications per query; the next chunk is read ahead
 REBUILD_PAGE = 20_000  # a rebuild's pages: fewer, bigger transactions, rows written ~once
 
 PROJECTIONS: dict[str, type[Projection[Any]]] = {
@@ -138,22 +140,54 @@ class ReadModels:
 
     def _pages(
         self, after: int, end: int, page_size: int = PAGE
-    ) -> Iterator[tuple[list[Notification], int]]:
-        """Pages of the handled notifications in (``after``, ``end``], each with the
-        position it reaches: its last notification's, or ``end`` for the last page (the
-        notifications of other topics in between are covered too). The last page may be
-        empty: it moves the positions to ``end``."""
-        while after < end:
-            page = select_page(self.app.recorder, after, end, self.topics, page_size)
-            reached = page[-1].id if len(page) == page_size else end
-            yield page, reached
-            after = reached
+    ) -> Iterator[tuple[list[tuple[int, str, Any]], int]]:
+        """Pages of the handled notifications in (``after``, ``end``], decoded as
+        (position, topic, domain event), each with the position it reaches: its last
+        notification's, or ``end`` for the last page (the notifications of other topics
+        in between are covered too). The last page may be empty: it moves the positions
+        to ``end``. Read in chunks of at most ``READ_CHUNK``, the next one read ahead
+        while this one is decoded."""
+        if after >= end:
+            return
+        mapper = self.app.mapper
+        size = min(page_size, READ_CHUNK)
+        events: list[tuple[int, str, Any]] = []
+        for chunk in self._chunks(after, end, size):
+            events += [(n.id, n.topic, mapper.to_domain_event(n)) for n in chunk]
+            if len(chunk) == size and len(events) >= page_size:
+                yield events, events[-1][0]
+                events = []
+        yield events, end
+
+    def _chunks(self, after: int, end: int, size: int) -> Iterator[list[Notification]]:
+        """Chunks of handled notifications in (``after``, ``end``], up to the first short
+        one. On PostgreSQL, once a chunk is full, the next one is read in a thread
+        meanwhile (the query runs in the server while this process decodes)."""
+
+        def read(start: int) -> list[Notification]:
+            return select_page(self.app.recorder, start, end, self.topics, size)
+
+        chunk = read(after)
+        if len(chunk) < size or not isinstance(self.app.recorder, PostgresApplicationRecorder):
+            while len(chunk) == size:
+                yield chunk
+                chunk = read(chunk[-1].id)
+            yield chunk
+            return
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-ahead") as pool:
+            while len(chunk) == size:
+                ahead = pool.submit(read, chunk[-1].id)
+                yield chunk
+                chunk = ahead.result()
+            yield chunk
 
     def catch_up(
         self,
         until: int | None = None,
         progress: Callable[[int], None] = lambda _: None,
         page_size: int = PAGE,
+        *,
+        asynchronous_commit: bool = False,
     ) -> int:
         """Apply every notification after each view's position, up to ``until`` (or the
         log's head when the catch-up starts), and move each position there.
@@ -162,24 +196,28 @@ class ReadModels:
         once, then applied to each view that has not seen it, in one transaction per view
         with the position the page reaches. ``progress`` is called with how many
         positions each page covered. Returns how many notifications were read (those of
-        the handled topics).
+        the handled topics). ``asynchronous_commit``: see :meth:`SqlView.apply`.
         """
         with self._lock:
             while True:
                 try:
-                    return self._catch_up(until, progress, page_size)
+                    return self._catch_up(until, progress, page_size, asynchronous_commit)
                 except IntegrityError:
                     continue  # another replica applied a page first: read the new positions
 
-    def _catch_up(self, until: int | None, progress: Callable[[int], None], page_size: int) -> int:
+    def _catch_up(
+        self,
+        until: int | None,
+        progress: Callable[[int], None],
+        page_size: int,
+        asynchronous_commit: bool,
+    ) -> int:
         positions = {name: self.position(name) for name in self.views}
         head = self.app.recorder.max_notification_id() or 0
         end = head if until is None else min(until, head)
         after = min(positions.values())
         read = 0
-        mapper = self.app.mapper
-        for page, reached in self._pages(after, end, page_size):
-            events = [(n.id, n.topic, mapper.to_domain_event(n)) for n in page]
+        for events, reached in self._pages(after, end, page_size):
             for name, projection in self.projections.items():
                 if positions[name] >= reached:
                     continue
@@ -190,10 +228,13 @@ class ReadModels:
                     if topic in topics and position > start:
                         net.extend(changes_of(event))
                 self.views[name].apply(
-                    net, Tracking(self.app.name, reached), expected=positions[name]
+                    net,
+                    Tracking(self.app.name, reached),
+                    expected=positions[name],
+                    asynchronous_commit=asynchronous_commit,
                 )
                 positions[name] = reached
-            read += len(page)
+            read += len(events)
             progress(reached - after)
             after = reached
         return read
@@ -330,6 +371,11 @@ def rebuild(
     read_models.clear()
     with gc_paused():
         _, seconds = timed(
-            lambda: read_models.catch_up(until=head, progress=progress, page_size=REBUILD_PAGE)
+            lambda: read_models.catch_up(
+                until=head,
+                progress=progress,
+                page_size=REBUILD_PAGE,
+                asynchronous_commit=True,
+            )
         )
     return RebuildReport(events=events, seconds=seconds, raw_read_seconds=raw_seconds)

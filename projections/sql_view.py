@@ -85,6 +85,8 @@ class SqlView(TrackingRecorder):
         changes: Iterable[RowChange] | NetChanges,
         tracking: Tracking,
         expected: int | None = None,
+        *,
+        asynchronous_commit: bool = False,
     ) -> None:
         """Apply ``changes`` (folded first) and record ``tracking`` in one transaction.
 
@@ -92,9 +94,15 @@ class SqlView(TrackingRecorder):
         locked first and must still be ``expected``: two processes catching up the same
         batch concurrently cannot both apply it, even when their batches end at different
         positions (the tracking row alone only forbids going backwards).
+
+        With ``asynchronous_commit`` (a rebuild), PostgreSQL acknowledges the commit
+        before its WAL is on disk: a server crash may then lose the last batches, rows
+        and position together (the transaction stays atomic), which are applied again.
         """
         net = changes if isinstance(changes, NetChanges) else self.net(changes)
         with self.datastore.transaction(commit=True) as cursor:  # type: ignore[attr-defined]
+            if asynchronous_commit:
+                self._commit_asynchronously(cursor)
             if expected is not None:
                 position = self._locked_position(cursor, tracking.application_name)
                 if position != expected:
@@ -103,6 +111,9 @@ class SqlView(TrackingRecorder):
                     )
             self._write(cursor, net)
             self._insert_tracking(cursor, tracking)  # type: ignore[attr-defined]
+
+    def _commit_asynchronously(self, cursor: Any) -> None:
+        """Only PostgreSQL has asynchronous commits (SQLite: nothing)."""
 
     def _write(self, cursor: Any, net: NetChanges) -> None:
         for columns, rows in net.insert_groups(self.encoders).items():
@@ -237,6 +248,9 @@ class PostgresSqlView(SqlView, PostgresTrackingRecorder):
 
     def _sql(self, sql: str) -> Composable:
         return SQL(sql)
+
+    def _commit_asynchronously(self, cursor: Any) -> None:
+        cursor.execute(SQL("SET LOCAL synchronous_commit TO OFF"))
 
     def _insert_rows(
         self, cursor: Any, columns: tuple[str, ...], rows: list[tuple[Any, ...]]
