@@ -39,6 +39,7 @@ from projections.assignments import (
     SQLiteAssignmentsView,
 )
 from projections.notification_reader import select_page
+from projections.row_changes import NetChanges
 from projections.runner_snapshots import (
     PostgresRunnerSnapshotsView,
     RunnerSnapshotsProjection,
@@ -151,36 +152,38 @@ class ReadModels:
         if after >= end:
             return
         mapper = self.app.mapper
-        size = min(page_size, READ_CHUNK)
         events: list[tuple[int, str, Any]] = []
-        for chunk in self._chunks(after, end, size):
+        for chunk, full in self._chunks(after, end, min(page_size, READ_CHUNK)):
             events += [(n.id, n.topic, mapper.to_domain_event(n)) for n in chunk]
-            if len(chunk) == size and len(events) >= page_size:
+            if full and len(events) >= page_size:
                 yield events, events[-1][0]
                 events = []
         yield events, end
 
-    def _chunks(self, after: int, end: int, size: int) -> Iterator[list[Notification]]:
-        """Chunks of handled notifications in (``after``, ``end``], up to the first short
-        one. On PostgreSQL, once a chunk is full, the next one is read in a thread
-        meanwhile (the query runs in the server while this process decodes)."""
+    def _chunks(self, after: int, end: int, size: int) -> Iterator[tuple[list[Notification], bool]]:
+        """Chunks of handled notifications in (``after``, ``end``], each with whether it
+        is full (more may follow), up to the first short one. On PostgreSQL, once a chunk
+        is full, the next one is read in a thread meanwhile (the query runs in the server
+        while this process decodes); the first chunk is at most ``PAGE`` long, so that
+        decoding starts early."""
 
-        def read(start: int) -> list[Notification]:
-            return select_page(self.app.recorder, start, end, self.topics, size)
+        def read(start: int, limit: int = size) -> tuple[list[Notification], bool]:
+            chunk = select_page(self.app.recorder, start, end, self.topics, limit)
+            return chunk, len(chunk) == limit
 
-        chunk = read(after)
-        if len(chunk) < size or not isinstance(self.app.recorder, PostgresApplicationRecorder):
-            while len(chunk) == size:
-                yield chunk
-                chunk = read(chunk[-1].id)
-            yield chunk
+        chunk, full = read(after, min(size, PAGE))
+        if not full or not isinstance(self.app.recorder, PostgresApplicationRecorder):
+            while full:
+                yield chunk, full
+                chunk, full = read(chunk[-1].id)
+            yield chunk, full
             return
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-ahead") as pool:
-            while len(chunk) == size:
+            while full:
                 ahead = pool.submit(read, chunk[-1].id)
-                yield chunk
-                chunk = ahead.result()
-            yield chunk
+                yield chunk, full
+                chunk, full = ahead.result()
+            yield chunk, full
 
     def catch_up(
         self,
@@ -219,15 +222,19 @@ class ReadModels:
         after = min(positions.values())
         read = 0
         for events, reached in self._pages(after, end, page_size):
-            for name, projection in self.projections.items():
-                if positions[name] >= reached:
-                    continue
-                handlers, start = self._handlers(projection, self._topics_of[name]), positions[name]
-                net = self.views[name].net()
-                for position, topic, event in events:
-                    handler = handlers.get(topic)
-                    if handler is not None and position > start:
+            behind = [name for name in self.views if positions[name] < reached]
+            nets = {name: self.views[name].net() for name in behind}
+            routes: dict[str, list[tuple[int, NetChanges, Callable[[Any], Any]]]] = {}
+            for name in behind:
+                handlers = self._handlers(self.projections[name], self._topics_of[name])
+                for topic, handler in handlers.items():
+                    routes.setdefault(topic, []).append((positions[name], nets[name], handler))
+            for position, topic, event in events:  # one pass: each event to its views
+                for start, net, handler in routes.get(topic, ()):
+                    if position > start:
                         net.extend(handler(event))
+            for name in behind:
+                net = nets[name]
                 self.views[name].apply(
                     net,
                     Tracking(self.app.name, reached),
