@@ -337,7 +337,7 @@ ROW_OPERATIONS = st.lists(
     st.one_of(
         st.tuples(st.just("insert"), st.integers(0, 3), st.integers(-5, 5), st.booleans()),
         st.tuples(
-            st.sampled_from(["set_a", "add_a", "add_b", "set_c", "alias_c", "alias_add_b"]),
+            st.sampled_from(["set_a", "add_a", "add_b", "alias_c", "alias_add_b"]),
             st.integers(0, 3),
             st.integers(-5, 5),
             st.booleans(),
@@ -354,20 +354,20 @@ def row_change(operation: tuple[str, int, int, bool]) -> Any:
     if name == "insert":
         return Insert({"id": f"r{row}", "alias": f"x{row}", "a": value, "b": None if null else 0,
                        "c": None})  # fmt: skip
-    if name.startswith("alias"):  # through the other unique key, on disjoint columns
+    # Through either unique key; the columns set through one key are not changed through
+    # the other (the fold's precondition), deltas through both commute.
+    if name.startswith("alias"):
         key, match = ("alias",), (f"x{row}",)
         if name == "alias_c":
-            return Update(key, match, {"c": f"c{value}"})
+            return Update(key, match, {"c": None if null else f"c{value}"})
         return Update(key, match, add={"b": value})
     key, match = ("id",), (f"r{row}",)
     if name == "set_a":
-        return Update(key, match, {"a": value, "c": None if null else str(value)})
-    if name == "set_c":
-        return Update(key, match, {"c": f"set{value}"})
+        return Update(key, match, {"a": None if null else value})
     return Update(key, match, add={name[-1]: value})
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(before=ROW_OPERATIONS, batch=ROW_OPERATIONS)
 def test_a_folded_batch_writes_the_rows_of_its_changes_one_by_one(
     before: list[Any], batch: list[Any]
