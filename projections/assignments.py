@@ -18,8 +18,8 @@ from eventsourcing.projection import Projection
 from domain.assignment import STATE_RELEASED
 from domain.sandbox import Sandbox
 from domain.values import Capacity, DurableAssignment
+from projections.row_changes import Insert, RowChange, Update
 from projections.sql_view import (
-    Change,
     PostgresSqlView,
     SQLiteSqlView,
     SqlView,
@@ -63,6 +63,11 @@ class AssignmentsView(SqlView):
         "CREATE INDEX IF NOT EXISTS assignments_state ON {table} (state)",
         "CREATE INDEX IF NOT EXISTS assignments_due ON {table} (next_reconcile_at)",
     )
+    keys = (("sandbox_stream", "generation"),)
+    encoders = {
+        **dict.fromkeys(TIME_FIELDS, time_text),
+        **dict.fromkeys(JSON_FIELDS, to_json),
+    }
 
     def _select(
         self,
@@ -125,11 +130,12 @@ def row_to_assignment(row: dict[str, Any]) -> DurableAssignment:
     return DurableAssignment.model_construct(**fields)
 
 
-def _update(event: Any, assignments: str, *params: Any) -> Change:
-    return Change(
-        f"UPDATE {{table}} SET {assignments}, revision = revision + 1, updated_at = %s "
-        "WHERE sandbox_stream = %s AND generation = %s",
-        (*params, time_text(event.timestamp), event.originator_id.hex, event.generation),
+def _update(event: Any, **columns: Any) -> Update:
+    return Update(
+        ("sandbox_stream", "generation"),
+        (event.originator_id.hex, event.generation),
+        {**columns, "updated_at": event.timestamp},
+        {"revision": 1},
     )
 
 
@@ -139,72 +145,60 @@ class AssignmentsProjection(Projection[AssignmentsView]):
     name = "assignments"
 
     @singledispatchmethod
-    def changes(self, event: Any) -> list[Change]:
+    def changes(self, event: Any) -> list[RowChange]:
         return []  # events of other aggregates: only the position moves
 
     @changes.register
-    def _(self, event: Sandbox.AssignmentFenced) -> list[Change]:
-        record = dict(event.assignment)
-        values: dict[str, Any] = {**record, "sandbox_stream": event.originator_id.hex}
-        for name in TIME_FIELDS:
-            values[name] = time_text(record[name])
-        for name in JSON_FIELDS:
-            values[name] = None if record[name] is None else to_json(record[name])
-        placeholders = ", ".join("%s" for _ in COLUMNS)
+    def _(self, event: Sandbox.AssignmentFenced) -> list[RowChange]:
+        values: dict[str, Any] = {**event.assignment, "sandbox_stream": event.originator_id.hex}
+        return [Insert({name: values[name] for name in COLUMNS})]  # encoded when written
+
+    @changes.register
+    def _(self, event: Sandbox.AssignmentRunning) -> list[RowChange]:
+        return [_update(event, state="running")]
+
+    @changes.register
+    def _(self, event: Sandbox.AssignmentReleased) -> list[RowChange]:
+        return [_update(event, state=STATE_RELEASED, release_proof=dict(event.release_proof))]
+
+    @changes.register
+    def _(self, event: Sandbox.AssignmentFailed) -> list[RowChange]:
         return [
-            Change(
-                f"INSERT INTO {{table}} ({', '.join(COLUMNS)}) VALUES ({placeholders})",
-                tuple(values[name] for name in COLUMNS),
+            _update(
+                event,
+                state=event.state,
+                failure_class=event.failure_class,
+                retry_count=event.retry_count,
             )
         ]
 
     @changes.register
-    def _(self, event: Sandbox.AssignmentRunning) -> list[Change]:
-        return [_update(event, "state = %s", "running")]
-
-    @changes.register
-    def _(self, event: Sandbox.AssignmentReleased) -> list[Change]:
+    def _(self, event: Sandbox.ReconcileClaimed) -> list[RowChange]:
         return [
             _update(
-                event, "state = %s, release_proof = %s", STATE_RELEASED,
-                to_json(dict(event.release_proof)),
+                event,
+                reconcile_owner=event.owner,
+                reconcile_claim_expires_at=event.until,
             )
-        ]  # fmt: skip
+        ]
 
     @changes.register
-    def _(self, event: Sandbox.AssignmentFailed) -> list[Change]:
+    def _(self, event: Sandbox.AssignmentUncertain) -> list[RowChange]:
+        return [_update(event, state="uncertain")]
+
+    @changes.register
+    def _(self, event: Sandbox.ReconcileScheduled) -> list[RowChange]:
         return [
             _update(
-                event, "state = %s, failure_class = %s, retry_count = %s", event.state,
-                event.failure_class, event.retry_count,
+                event,
+                next_reconcile_at=event.next_reconcile_at,
+                operation_deadline=event.operation_deadline,
             )
-        ]  # fmt: skip
+        ]
 
     @changes.register
-    def _(self, event: Sandbox.ReconcileClaimed) -> list[Change]:
-        return [
-            _update(
-                event, "reconcile_owner = %s, reconcile_claim_expires_at = %s", event.owner,
-                time_text(event.until),
-            )
-        ]  # fmt: skip
-
-    @changes.register
-    def _(self, event: Sandbox.AssignmentUncertain) -> list[Change]:
-        return [_update(event, "state = %s", "uncertain")]
-
-    @changes.register
-    def _(self, event: Sandbox.ReconcileScheduled) -> list[Change]:
-        return [
-            _update(
-                event, "next_reconcile_at = %s, operation_deadline = %s",
-                time_text(event.next_reconcile_at), time_text(event.operation_deadline),
-            )
-        ]  # fmt: skip
-
-    @changes.register
-    def _(self, event: Sandbox.ReconcileClaimReleased) -> list[Change]:
-        return [_update(event, "reconcile_owner = %s, reconcile_claim_expires_at = %s", "", None)]
+    def _(self, event: Sandbox.ReconcileClaimReleased) -> list[RowChange]:
+        return [_update(event, reconcile_owner="", reconcile_claim_expires_at=None)]
 
     def process_event(self, domain_event: Any, tracking: Tracking) -> None:
         self.view.apply(self.changes(domain_event), tracking)

@@ -1,19 +1,28 @@
 """The scheduler's read models: construction, catch-up, rebuild and status.
 
 Both projections keep their rows and their tracking position in the application's own
-database. ``catch_up`` reads the notification log after each view's position in pages
-and applies each page in one transaction with the page's last position (exactly once:
-a replica that loses the race for a page rolls back and reads the new position).
+database. ``catch_up`` reads the notification log after each view's position in pages,
+only the topics some projection handles (:func:`handled_topics`), and applies each page
+in one transaction with the position the page reaches (exactly once: a replica that
+loses the race for a page rolls back and reads the new position). A page's row changes
+are folded into one net change per row before they are written
+(:mod:`projections.row_changes`); a rebuild reads much bigger pages than the inline
+catch-up, so it writes each row about once.
 ``projections run`` follows the log live with eventsourcing's ``ProjectionRunner``
 instead (:func:`projection_runners`).
 """
 
 from __future__ import annotations
 
+import gc
+import inspect
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from eventsourcing.application import Application
@@ -21,6 +30,7 @@ from eventsourcing.persistence import IntegrityError, Notification, Tracking
 from eventsourcing.postgres import PostgresApplicationRecorder
 from eventsourcing.projection import Projection, ProjectionRunner
 from eventsourcing.sqlite import SQLiteApplicationRecorder
+from eventsourcing.utils import get_topic, resolve_topic
 
 from projections.assignments import (
     AssignmentsProjection,
@@ -28,15 +38,19 @@ from projections.assignments import (
     PostgresAssignmentsView,
     SQLiteAssignmentsView,
 )
+from projections.notification_reader import select_page
+from projections.row_changes import NetChanges
 from projections.runner_snapshots import (
     PostgresRunnerSnapshotsView,
     RunnerSnapshotsProjection,
     RunnerSnapshotsView,
     SQLiteRunnerSnapshotsView,
 )
-from projections.sql_view import Change, SqlView
+from projections.sql_view import SqlView
 
-PAGE = 1000
+PAGE = 1000  # notifications of the handled topics per page (and per transaction)
+READ_CHUNK = 5_000  # notifications per query; the next chunk is read ahead
+REBUILD_PAGE = 20_000  # a rebuild's pages: fewer, bigger transactions, rows written ~once
 
 PROJECTIONS: dict[str, type[Projection[Any]]] = {
     "runner_snapshots": RunnerSnapshotsProjection,
@@ -52,6 +66,14 @@ VIEWS: dict[str, dict[str, type[SqlView]]] = {
         "assignments": PostgresAssignmentsView,
     },
 }
+
+
+def handled_topics(projection_class: type[Projection[Any]]) -> tuple[str, ...]:
+    """The topics of the events registered on the projection's ``changes``
+    (a ``singledispatchmethod``): other events change no row and need not be read."""
+    changes = inspect.getattr_static(projection_class, "changes")
+    registry = changes.dispatcher.registry
+    return tuple(sorted(get_topic(cls) for cls in registry if cls is not object))
 
 
 def supports_read_models(app: Application[Any]) -> bool:
@@ -96,6 +118,11 @@ class ReadModels:
             view.ensure_position(app.name)
             self.views[name] = view
             self.projections[name] = PROJECTIONS[name](view)
+        self._topics_of = {
+            name: frozenset(handled_topics(type(projection)))
+            for name, projection in self.projections.items()
+        }
+        self.topics = tuple(sorted(frozenset().union(*self._topics_of.values())))
         self._lock = threading.Lock()
 
     @property
@@ -113,57 +140,125 @@ class ReadModels:
     def position(self, name: str) -> int:
         return self.views[name].max_tracking_id(self.app.name) or 0
 
-    def _pages(self, after: int, until: int | None) -> Iterator[list[Notification]]:
-        while True:
-            page = self.app.recorder.select_notifications(
-                start=after, limit=PAGE, stop=until, inclusive_of_start=False
-            )
-            if not page:
-                return
-            yield list(page)
-            after = page[-1].id
-            if len(page) < PAGE:
-                return
+    def _pages(
+        self, after: int, end: int, page_size: int = PAGE
+    ) -> Iterator[tuple[list[tuple[int, str, Any]], int]]:
+        """Pages of the handled notifications in (``after``, ``end``], decoded as
+        (position, topic, domain event), each with the position it reaches: its last
+        notification's, or ``end`` for the last page (the notifications of other topics
+        in between are covered too). The last page may be empty: it moves the positions
+        to ``end``. Read in chunks of at most ``READ_CHUNK``, the next one read ahead
+        while this one is decoded."""
+        if after >= end:
+            return
+        mapper = self.app.mapper
+        events: list[tuple[int, str, Any]] = []
+        for chunk, full in self._chunks(after, end, min(page_size, READ_CHUNK)):
+            events += [(n.id, n.topic, mapper.to_domain_event(n)) for n in chunk]
+            if full and len(events) >= page_size:
+                yield events, events[-1][0]
+                events = []
+        yield events, end
+
+    def _chunks(self, after: int, end: int, size: int) -> Iterator[tuple[list[Notification], bool]]:
+        """Chunks of handled notifications in (``after``, ``end``], each with whether it
+        is full (more may follow), up to the first short one. On PostgreSQL, once a chunk
+        is full, the next one is read in a thread meanwhile (the query runs in the server
+        while this process decodes); the first chunk is at most ``PAGE`` long, so that
+        decoding starts early."""
+
+        def read(start: int, limit: int = size) -> tuple[list[Notification], bool]:
+            chunk = select_page(self.app.recorder, start, end, self.topics, limit)
+            return chunk, len(chunk) == limit
+
+        chunk, full = read(after, min(size, PAGE))
+        if not full or not isinstance(self.app.recorder, PostgresApplicationRecorder):
+            while full:
+                yield chunk, full
+                chunk, full = read(chunk[-1].id)
+            yield chunk, full
+            return
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-ahead") as pool:
+            while full:
+                ahead = pool.submit(read, chunk[-1].id)
+                yield chunk, full
+                chunk, full = ahead.result()
+            yield chunk, full
 
     def catch_up(
         self,
         until: int | None = None,
         progress: Callable[[int], None] = lambda _: None,
+        page_size: int = PAGE,
+        *,
+        asynchronous_commit: bool = False,
     ) -> int:
-        """Apply every notification after each view's position (up to ``until``).
+        """Apply every notification after each view's position, up to ``until`` (or the
+        log's head when the catch-up starts), and move each position there.
 
-        One pass over the log: each page is read and decoded once, then applied to
-        each view that has not seen it, in one transaction per view with the page's
-        last position. Returns how many notifications were read.
+        One pass over the log: each page of handled notifications is read and decoded
+        once, then applied to each view that has not seen it, in one transaction per view
+        with the position the page reaches. ``progress`` is called with how many
+        positions each page covered. Returns how many notifications were read (those of
+        the handled topics). ``asynchronous_commit``: see :meth:`SqlView.apply`.
         """
         with self._lock:
             while True:
                 try:
-                    return self._catch_up(until, progress)
+                    return self._catch_up(until, progress, page_size, asynchronous_commit)
                 except IntegrityError:
                     continue  # another replica applied a page first: read the new positions
 
-    def _catch_up(self, until: int | None, progress: Callable[[int], None]) -> int:
+    def _catch_up(
+        self,
+        until: int | None,
+        progress: Callable[[int], None],
+        page_size: int,
+        asynchronous_commit: bool,
+    ) -> int:
         positions = {name: self.position(name) for name in self.views}
+        head = self.app.recorder.max_notification_id() or 0
+        end = head if until is None else min(until, head)
+        after = min(positions.values())
         read = 0
-        mapper = self.app.mapper
-        for page in self._pages(min(positions.values()), until):
-            events = [(n.id, mapper.to_domain_event(n)) for n in page]
-            for name, projection in self.projections.items():
-                fresh = [event for position, event in events if position > positions[name]]
-                if not fresh:
-                    continue
-                changes_of = projection.changes  # type: ignore[attr-defined]
-                changes: list[Change] = []
-                for event in fresh:
-                    changes.extend(changes_of(event))
+        for events, reached in self._pages(after, end, page_size):
+            behind = [name for name in self.views if positions[name] < reached]
+            nets = {name: self.views[name].net() for name in behind}
+            routes: dict[str, list[tuple[int, NetChanges, Callable[[Any], Any]]]] = {}
+            for name in behind:
+                handlers = self._handlers(self.projections[name], self._topics_of[name])
+                for topic, handler in handlers.items():
+                    routes.setdefault(topic, []).append((positions[name], nets[name], handler))
+            for position, topic, event in events:  # one pass: each event to its views
+                for start, net, handler in routes.get(topic, ()):
+                    if position > start:
+                        net.extend(handler(event))
+            for name in behind:
+                net = nets[name]
                 self.views[name].apply(
-                    changes, Tracking(self.app.name, page[-1].id), expected=positions[name]
+                    net,
+                    Tracking(self.app.name, reached),
+                    expected=positions[name],
+                    asynchronous_commit=asynchronous_commit,
                 )
-                positions[name] = page[-1].id
-            read += len(page)
-            progress(len(page))
+                positions[name] = reached
+            read += len(events)
+            progress(reached - after)
+            after = reached
         return read
+
+    @staticmethod
+    def _handlers(
+        projection: Projection[Any], topics: frozenset[str]
+    ) -> dict[str, Callable[[Any], Any]]:
+        """Each handled topic's ``changes`` handler, resolved once per page rather than
+        by ``singledispatchmethod`` per event (unless ``changes`` is replaced on the
+        instance, as a test does)."""
+        if "changes" in vars(projection):
+            changes = projection.changes  # type: ignore[attr-defined]
+            return dict.fromkeys(topics, changes)
+        dispatch = inspect.getattr_static(type(projection), "changes").dispatcher.dispatch
+        return {topic: partial(dispatch(resolve_topic(topic)), projection) for topic in topics}
 
     def wait(self, position: int, timeout: float = 5.0) -> None:
         """Block until every view has applied ``position`` (read-your-writes)."""
@@ -270,13 +365,38 @@ def read_raw(
             return read
 
 
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside: a rebuild allocates hundreds of thousands of
+    long-lived objects (a page of events and its rows), on which the collector's passes
+    cost about a quarter of the time and free nothing."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def rebuild(
     read_models: ReadModels,
     progress: Callable[[int], None] = lambda _: None,
     raw_progress: Callable[[int], None] = lambda _: None,
 ) -> RebuildReport:
-    """Forget the read models and apply the whole log again; time the raw read too."""
-    _, raw_seconds = timed(lambda: read_raw(read_models.app, raw_progress))
+    """Forget the read models and apply the whole log again (up to the head at the
+    start), in pages of ``REBUILD_PAGE``; time the raw read of the same notifications
+    too. ``events`` counts every notification of that range."""
+    head = read_models.app.recorder.max_notification_id() or 0
+    events, raw_seconds = timed(lambda: read_raw(read_models.app, raw_progress, until=head))
     read_models.clear()
-    events, seconds = timed(lambda: read_models.catch_up(progress=progress))
+    with gc_paused():
+        _, seconds = timed(
+            lambda: read_models.catch_up(
+                until=head,
+                progress=progress,
+                page_size=REBUILD_PAGE,
+                asynchronous_commit=True,
+            )
+        )
     return RebuildReport(events=events, seconds=seconds, raw_read_seconds=raw_seconds)

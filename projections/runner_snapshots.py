@@ -18,8 +18,8 @@ from domain.ids import lease_uuid
 from domain.lease import RunnerLease
 from domain.runner import Runner
 from domain.values import Capacity, MaterializationSnapshot, RunnerSnapshot
+from projections.row_changes import Insert, RowChange, Update
 from projections.sql_view import (
-    Change,
     PostgresSqlView,
     SQLiteSqlView,
     SqlView,
@@ -31,6 +31,8 @@ from projections.sql_view import (
 DIMENSIONS = Capacity.DIMENSIONS
 ALLOCATABLE = [f"allocatable_{dim}" for dim in DIMENSIONS]
 RESERVED = [f"reserved_{dim}" for dim in DIMENSIONS]
+_ALLOCATABLE_OF = tuple(zip(ALLOCATABLE, DIMENSIONS, strict=True))
+_RESERVED_OF = tuple(zip(RESERVED, DIMENSIONS, strict=True))
 
 
 class RunnerSnapshotsView(SqlView):
@@ -49,6 +51,14 @@ class RunnerSnapshotsView(SqlView):
         "CREATE INDEX IF NOT EXISTS runner_snapshots_pool_arch "
         "ON {table} (pool_name, architecture)",
     )
+    keys = (("stream_id",), ("lease_id",))  # Runner events, RunnerLease events
+    encoders = {
+        "capabilities": to_json,
+        "artifact_digests": to_json,
+        "materializations": to_json,
+        "supported_egress_contexts": to_json,
+        "last_heartbeat_at": time_text,
+    }
 
     def snapshots(
         self, pool_name: str | None = None, architecture: str | None = None
@@ -106,17 +116,19 @@ def row_to_snapshot(row: dict[str, Any]) -> RunnerSnapshot:
     )
 
 
-def _runner_update(event: Any, assignments: str, *params: Any) -> Change:
-    return Change(
-        f"UPDATE {{table}} SET {assignments}, version = %s WHERE stream_id = %s",
-        (*params, event.originator_version, event.originator_id.hex),
+def _runner_update(event: Any, **columns: Any) -> Update:
+    return Update(
+        ("stream_id",),
+        (event.originator_id.hex,),
+        {**columns, "version": event.originator_version},
     )
 
 
-def _lease_update(event: Any, assignments: str, *params: Any) -> Change:
-    return Change(
-        f"UPDATE {{table}} SET {assignments}, lease_version = %s WHERE lease_id = %s",
-        (*params, event.originator_version, event.originator_id.hex),
+def _lease_update(event: Any, **columns: Any) -> Update:
+    return Update(
+        ("lease_id",),
+        (event.originator_id.hex,),
+        {**columns, "lease_version": event.originator_version},
     )
 
 
@@ -126,85 +138,76 @@ class RunnerSnapshotsProjection(Projection[RunnerSnapshotsView]):
     name = "runner_snapshots"
 
     @singledispatchmethod
-    def changes(self, event: Any) -> list[Change]:
+    def changes(self, event: Any) -> list[RowChange]:
         return []  # events of other aggregates: only the position moves
 
     @changes.register
-    def _(self, event: Runner.Registered) -> list[Change]:
-        columns = [
-            "runner_id", "stream_id", "lease_id", "pool_name", "backend_kind", "architecture",
-            "capabilities", *ALLOCATABLE, *RESERVED, "drain_phase", "last_heartbeat_at",
-            "artifact_digests", "materializations", "supported_egress_contexts",
-            "guest_protocol_minimum", "guest_protocol_maximum", "deregistered", "version",
-            "lease_version",
-        ]  # fmt: skip
-        values = [
-            event.runner_id,
-            event.originator_id.hex,
-            lease_uuid(event.runner_id).hex,
-            event.pool_name,
-            event.backend_kind,
-            event.architecture,
-            to_json(sorted(event.capabilities)),
-            *(event.allocatable[dim] for dim in DIMENSIONS),
-            *(0 for _ in DIMENSIONS),
-            "active",
-            None,
-            "[]",
-            "[]",
-            to_json(sorted(event.supported_egress_contexts)),
-            event.guest_protocol_minimum,
-            event.guest_protocol_maximum,
-            0,
-            event.originator_version,
-            0,
-        ]
-        placeholders = ", ".join("%s" for _ in columns)
-        return [
-            Change(
-                f"INSERT INTO {{table}} ({', '.join(columns)}) VALUES ({placeholders})",
-                tuple(values),
-            )
-        ]
+    def _(self, event: Runner.Registered) -> list[RowChange]:
+        allocatable = event.allocatable
+        row: dict[str, Any] = {
+            "runner_id": event.runner_id,
+            "stream_id": event.originator_id.hex,
+            "lease_id": lease_uuid(event.runner_id).hex,
+            "pool_name": event.pool_name,
+            "backend_kind": event.backend_kind,
+            "architecture": event.architecture,
+            "capabilities": sorted(event.capabilities),
+        }
+        for column, dim in _ALLOCATABLE_OF:
+            row[column] = allocatable[dim]
+        for column in RESERVED:
+            row[column] = 0
+        row.update(
+            drain_phase="active",
+            last_heartbeat_at=None,
+            artifact_digests=[],
+            materializations=[],
+            supported_egress_contexts=sorted(event.supported_egress_contexts),
+            guest_protocol_minimum=event.guest_protocol_minimum,
+            guest_protocol_maximum=event.guest_protocol_maximum,
+            deregistered=0,
+            version=event.originator_version,
+            lease_version=0,
+        )
+        return [Insert(row)]
 
     @changes.register
-    def _(self, event: Runner.CapacityReserved) -> list[Change]:
+    def _(self, event: Runner.CapacityReserved) -> list[RowChange]:
         return [_capacity_delta(event, event.capacity, +1)]
 
     @changes.register
-    def _(self, event: Runner.CapacityReleased) -> list[Change]:
+    def _(self, event: Runner.CapacityReleased) -> list[RowChange]:
         return [_capacity_delta(event, event.capacity, -1)]
 
     @changes.register
-    def _(self, event: Runner.DrainStarted) -> list[Change]:
-        return [_runner_update(event, "drain_phase = %s", "draining")]
+    def _(self, event: Runner.DrainStarted) -> list[RowChange]:
+        return [_runner_update(event, drain_phase="draining")]
 
     @changes.register
-    def _(self, event: Runner.DrainCancelled) -> list[Change]:
-        return [_runner_update(event, "drain_phase = %s", "active")]
+    def _(self, event: Runner.DrainCancelled) -> list[RowChange]:
+        return [_runner_update(event, drain_phase="active")]
 
     @changes.register
-    def _(self, event: Runner.AllocatableChanged) -> list[Change]:
-        assignments = ", ".join(f"{column} = %s" for column in ALLOCATABLE)
-        return [_runner_update(event, assignments, *(event.allocatable[dim] for dim in DIMENSIONS))]
+    def _(self, event: Runner.AllocatableChanged) -> list[RowChange]:
+        allocatable = {column: event.allocatable[dim] for column, dim in _ALLOCATABLE_OF}
+        return [_runner_update(event, **allocatable)]
 
     @changes.register
-    def _(self, event: Runner.Deregistered) -> list[Change]:
-        return [_runner_update(event, "deregistered = %s", 1)]
+    def _(self, event: Runner.Deregistered) -> list[RowChange]:
+        return [_runner_update(event, deregistered=1)]
 
     @changes.register
-    def _(self, event: RunnerLease.LivenessRenewed) -> list[Change]:
-        return [_lease_update(event, "last_heartbeat_at = %s", time_text(event.at))]
+    def _(self, event: RunnerLease.LivenessRenewed) -> list[RowChange]:
+        return [_lease_update(event, last_heartbeat_at=event.at)]
 
     @changes.register
-    def _(self, event: RunnerLease.EvidenceRecorded) -> list[Change]:
+    def _(self, event: RunnerLease.EvidenceRecorded) -> list[RowChange]:
         return [
             _lease_update(
                 event,
-                "last_heartbeat_at = %s, artifact_digests = %s, materializations = %s",
-                time_text(event.at),
-                to_json(list(event.artifact_digests)),
-                to_json([dict(item) for item in event.materializations]),
+                last_heartbeat_at=event.at,
+                artifact_digests=event.artifact_digests,
+                materializations=[dict(item) for item in event.materializations],
             )
         ]
 
@@ -212,6 +215,10 @@ class RunnerSnapshotsProjection(Projection[RunnerSnapshotsView]):
         self.view.apply(self.changes(domain_event), tracking)
 
 
-def _capacity_delta(event: Any, capacity: dict[str, int], sign: int) -> Change:
-    assignments = ", ".join(f"{column} = {column} + %s" for column in RESERVED)
-    return _runner_update(event, assignments, *(sign * capacity[dim] for dim in DIMENSIONS))
+def _capacity_delta(event: Any, capacity: dict[str, int], sign: int) -> Update:
+    return Update(
+        ("stream_id",),
+        (event.originator_id.hex,),
+        {"version": event.originator_version},
+        {column: sign * capacity[dim] for column, dim in _RESERVED_OF},
+    )

@@ -6,6 +6,11 @@ covers, so each notification is applied exactly once, across crashes and restart
 (the position only moves with the rows, and a second writer of the same position
 fails on the tracking row and rolls back).
 
+The changes are row-level (:mod:`projections.row_changes`): a batch is folded in memory
+into one net change per row, then written with one ``executemany`` per statement shape
+(pipelined by psycopg on PostgreSQL), and many inserted rows with ``COPY`` on
+PostgreSQL.
+
 The SQL is written once with ``%s`` placeholders and ``{table}`` names; the SQLite
 flavour turns ``%s`` into ``?``. Times are stored as fixed-width ISO text (UTC,
 microseconds), which sorts and compares correctly as text on both databases.
@@ -14,8 +19,7 @@ microseconds), which sorts and compares correctly as text on both databases.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
@@ -24,11 +28,19 @@ from eventsourcing.postgres import PostgresDatastore, PostgresTrackingRecorder
 from eventsourcing.sqlite import SQLiteDatastore, SQLiteTrackingRecorder
 from psycopg.sql import SQL, Composable, Composed, Identifier
 
+from projections.row_changes import Encoders, Key, NetChanges, RowChange
+
+COPY_MIN_ROWS = 64  # PostgreSQL: from this many inserted rows, COPY instead of INSERTs
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
 
 
 def time_text(value: datetime | None) -> str | None:
-    return None if value is None else value.astimezone(UTC).strftime(TIME_FORMAT)
+    if value is None:
+        return None
+    utc = value if value.tzinfo is UTC else value.astimezone(UTC)
+    if utc.year < 1000:  # strftime's %Y is not zero-padded there; isoformat is
+        return utc.strftime(TIME_FORMAT)
+    return utc.replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"  # = TIME_FORMAT
 
 
 def text_time(value: str | None) -> datetime | None:
@@ -37,16 +49,13 @@ def text_time(value: str | None) -> datetime | None:
     return datetime.strptime(value, TIME_FORMAT).replace(tzinfo=UTC)
 
 
+_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+
+
 def to_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
-
-
-@dataclass(frozen=True)
-class Change:
-    """One SQL statement of a view change: ``{table}`` is the view's main table."""
-
-    sql: str
-    params: tuple[Any, ...] = ()
+    """Canonical JSON text (sorted keys, no spaces), as ``json.dumps`` with those options
+    but without building an encoder per call."""
+    return _JSON.encode(value)
 
 
 class SqlView(TrackingRecorder):
@@ -55,6 +64,8 @@ class SqlView(TrackingRecorder):
     projection_name: ClassVar[str]
     table: ClassVar[str]
     ddl: ClassVar[tuple[str, ...]]  # CREATE statements, with {table}
+    keys: ClassVar[tuple[Key, ...]]  # unique keys by which updates name their rows
+    encoders: ClassVar[Encoders] = {}  # column -> Python value to stored value (not NULL)
 
     def _name(self, table: str) -> str:
         raise NotImplementedError
@@ -65,26 +76,67 @@ class SqlView(TrackingRecorder):
     def _format(self, sql: str) -> str:
         return sql.format(table=self._name(self.table))
 
+    def net(self, changes: Iterable[RowChange] = ()) -> NetChanges:
+        """A batch of this view's row changes, folded into one net change per row."""
+        return NetChanges(self.keys).extend(changes)
+
     def apply(
-        self, changes: Sequence[Change], tracking: Tracking, expected: int | None = None
+        self,
+        changes: Iterable[RowChange] | NetChanges,
+        tracking: Tracking,
+        expected: int | None = None,
+        *,
+        asynchronous_commit: bool = False,
     ) -> None:
-        """Apply ``changes`` and record ``tracking`` in one transaction.
+        """Apply ``changes`` (folded first) and record ``tracking`` in one transaction.
 
         With ``expected`` (a batch that starts after that position), the position row is
         locked first and must still be ``expected``: two processes catching up the same
         batch concurrently cannot both apply it, even when their batches end at different
         positions (the tracking row alone only forbids going backwards).
+
+        With ``asynchronous_commit`` (a rebuild), PostgreSQL acknowledges the commit
+        before its WAL is on disk: a server crash may then lose the last batches, rows
+        and position together (the transaction stays atomic), which are applied again.
         """
+        net = changes if isinstance(changes, NetChanges) else self.net(changes)
         with self.datastore.transaction(commit=True) as cursor:  # type: ignore[attr-defined]
+            if asynchronous_commit:
+                self._commit_asynchronously(cursor)
             if expected is not None:
                 position = self._locked_position(cursor, tracking.application_name)
                 if position != expected:
                     raise IntegrityError(
                         f"{self.projection_name}: position moved from {expected} to {position}"
                     )
-            for change in changes:
-                cursor.execute(self._sql(self._format(change.sql)), change.params)
+            self._write(cursor, net)
             self._insert_tracking(cursor, tracking)  # type: ignore[attr-defined]
+
+    def _commit_asynchronously(self, cursor: Any) -> None:
+        """Only PostgreSQL has asynchronous commits (SQLite: nothing)."""
+
+    def _write(self, cursor: Any, net: NetChanges) -> None:
+        for columns, rows in net.insert_groups(self.encoders).items():
+            self._insert_rows(cursor, columns, rows)
+        for (key, set_columns, add_columns), params in net.update_groups(self.encoders).items():
+            assignments = [f"{column} = %s" for column in set_columns]
+            assignments += [f"{column} = {column} + %s" for column in add_columns]
+            where = " AND ".join(f"{column} = %s" for column in key)
+            statement = f"UPDATE {{table}} SET {', '.join(assignments)} WHERE {where}"
+            self._executemany(cursor, statement, params)
+
+    def _insert_rows(
+        self, cursor: Any, columns: tuple[str, ...], rows: list[tuple[Any, ...]]
+    ) -> None:
+        placeholders = ", ".join("%s" for _ in columns)
+        statement = f"INSERT INTO {{table}} ({', '.join(columns)}) VALUES ({placeholders})"
+        self._executemany(cursor, statement, rows)
+
+    def _executemany(self, cursor: Any, statement: str, params: list[tuple[Any, ...]]) -> None:
+        if len(params) == 1:
+            cursor.execute(self._sql(self._format(statement)), params[0])
+        else:
+            cursor.executemany(self._sql(self._format(statement)), params)
 
     def _locked_position(self, cursor: Any, application_name: str) -> int:
         raise NotImplementedError
@@ -197,9 +249,32 @@ class PostgresSqlView(SqlView, PostgresTrackingRecorder):
     def _sql(self, sql: str) -> Composable:
         return SQL(sql)
 
+    def _commit_asynchronously(self, cursor: Any) -> None:
+        cursor.execute(SQL("SET LOCAL synchronous_commit TO OFF"))
+
+    def clear(self, application_name: str) -> None:
+        """TRUNCATE rather than DELETE: a rebuild then fills fresh tables and indexes,
+        not ones full of dead rows."""
+        with self.datastore.transaction(commit=True) as cursor:
+            cursor.execute(SQL(self._format("TRUNCATE {table}")))
+            cursor.execute(
+                SQL(f"DELETE FROM {self._tracking_name()} WHERE application_name = %s"),
+                (application_name,),
+            )
+
+    def _insert_rows(
+        self, cursor: Any, columns: tuple[str, ...], rows: list[tuple[Any, ...]]
+    ) -> None:
+        if len(rows) < COPY_MIN_ROWS:
+            super()._insert_rows(cursor, columns, rows)
+            return
+        statement = f"COPY {self._name(self.table)} ({', '.join(columns)}) FROM STDIN"
+        with cursor.copy(SQL(statement)) as copy:
+            for row in rows:
+                copy.write_row(row)
+
 
 __all__ = [
-    "Change",
     "Identifier",
     "PostgresSqlView",
     "SQLiteSqlView",
