@@ -7,15 +7,11 @@ aggregate cache, no projection. The CLI's ``audit`` commands print what these re
 
 from __future__ import annotations
 
-import gc
 import json
-import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
-from queue import Full, Queue
 from typing import Any
 from uuid import UUID
 
@@ -27,7 +23,6 @@ from eventsourcing.persistence import (
     UUIDAsHex,
     find_id_convertor,
 )
-from eventsourcing.postgres import PostgresApplicationRecorder
 from eventsourcing.utils import resolve_topic
 
 from domain.assignment import to_durable_assignment
@@ -37,7 +32,7 @@ from domain.ids import lease_uuid, refusal_log_uuid, runner_uuid, sandbox_uuid
 from domain.placement import RunnerEvaluation, summarize_refusals
 from domain.values import DurableAssignment, RunnerSnapshot
 from infrastructure.application import SchedulerApplication
-from projections.notification_reader import read_pages
+from projections.notification_reader import gc_paused, read_pages
 from projections.read_models import RebuildReport, read_raw
 
 PAGE = 1000
@@ -134,57 +129,12 @@ def _events(app: SchedulerApplication, until: Until) -> Iterator[tuple[int, Any]
     stop = until if isinstance(until, int) else None
     after_time = until if isinstance(until, datetime) else None
     decode = EventDecoder(app.mapper)
-    pages = read_pages(app.recorder, until=stop, page_size=PAGE)
-    if isinstance(app.recorder, PostgresApplicationRecorder):
-        pages = _read_ahead(pages)
-    for page in pages:
+    for page in read_pages(app.recorder, until=stop, page_size=PAGE, read_ahead=True):
         for notification in page:
             event: Any = decode(notification)
             if after_time is not None and event.timestamp > after_time:
                 return
             yield notification.id, event
-
-
-_END = object()
-
-
-def _read_ahead(pages: Iterator[list[Notification]]) -> Iterator[list[Notification]]:
-    """The same pages, each read in a background thread while the one before is folded:
-    the server's part of the next query, and the wait for its rows, overlap the fold."""
-    ahead: Queue[Any] = Queue(maxsize=1)
-    stopped = threading.Event()
-
-    def hand_over(item: Any) -> None:
-        while not stopped.is_set():
-            try:
-                ahead.put(item, timeout=0.05)
-                return
-            except Full:
-                continue
-
-    def read() -> None:
-        try:
-            for page in pages:
-                hand_over(page)
-                if stopped.is_set():
-                    return
-            hand_over(_END)
-        except BaseException as error:  # re-raised in the reading thread
-            hand_over(error)
-
-    reader = threading.Thread(target=read, name="audit-read-ahead", daemon=True)
-    reader.start()
-    try:
-        while True:
-            item = ahead.get()
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stopped.set()
-        reader.join()
 
 
 @dataclass
@@ -213,29 +163,13 @@ def fold(
     app: SchedulerApplication, until: Until = None, progress: Callable[[int], None] = lambda _: None
 ) -> AuditFold:
     audit = AuditFold()
-    with _collector_paused():
+    with gc_paused():
         for count, (position, event) in enumerate(_events(app, until), start=1):
             audit.apply(position, event)
             if count % PAGE == 0:
                 progress(PAGE)
         audit.finish()
     return audit
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector paused for a replay. Decoding allocates a few
-    container objects per event and the fold keeps many of them, so the collector
-    would run every few hundred events and rescan the growing state each time it
-    reaches an older generation: about 40% of a replay on a 26,595-event log. Nothing
-    in a replay makes reference cycles; reference counting frees everything else."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def verify(

@@ -14,19 +14,16 @@ instead (:func:`projection_runners`).
 
 from __future__ import annotations
 
-import gc
 import inspect
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from eventsourcing.application import Application
-from eventsourcing.persistence import IntegrityError, Notification, Tracking
+from eventsourcing.persistence import IntegrityError, Tracking
 from eventsourcing.postgres import PostgresApplicationRecorder
 from eventsourcing.projection import Projection, ProjectionRunner
 from eventsourcing.sqlite import SQLiteApplicationRecorder
@@ -38,7 +35,7 @@ from projections.assignments import (
     PostgresAssignmentsView,
     SQLiteAssignmentsView,
 )
-from projections.notification_reader import select_page
+from projections.notification_reader import gc_paused, read_pages
 from projections.row_changes import NetChanges
 from projections.runner_snapshots import (
     PostgresRunnerSnapshotsView,
@@ -153,37 +150,21 @@ class ReadModels:
             return
         mapper = self.app.mapper
         events: list[tuple[int, str, Any]] = []
-        for chunk, full in self._chunks(after, end, min(page_size, READ_CHUNK)):
+        size = min(page_size, READ_CHUNK)
+        for chunk in read_pages(
+            self.app.recorder,
+            after=after,
+            until=end,
+            topics=self.topics,
+            page_size=size,
+            first_page_size=min(size, PAGE),
+            read_ahead=True,
+        ):
             events += [(n.id, n.topic, mapper.to_domain_event(n)) for n in chunk]
-            if full and len(events) >= page_size:
+            if len(events) >= page_size:
                 yield events, events[-1][0]
                 events = []
         yield events, end
-
-    def _chunks(self, after: int, end: int, size: int) -> Iterator[tuple[list[Notification], bool]]:
-        """Chunks of handled notifications in (``after``, ``end``], each with whether it
-        is full (more may follow), up to the first short one. On PostgreSQL, once a chunk
-        is full, the next one is read in a thread meanwhile (the query runs in the server
-        while this process decodes); the first chunk is at most ``PAGE`` long, so that
-        decoding starts early."""
-
-        def read(start: int, limit: int = size) -> tuple[list[Notification], bool]:
-            chunk = select_page(self.app.recorder, start, end, self.topics, limit)
-            return chunk, len(chunk) == limit
-
-        chunk, full = read(after, min(size, PAGE))
-        if not full or not isinstance(self.app.recorder, PostgresApplicationRecorder):
-            while full:
-                yield chunk, full
-                chunk, full = read(chunk[-1].id)
-            yield chunk, full
-            return
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-ahead") as pool:
-            while full:
-                ahead = pool.submit(read, chunk[-1].id)
-                yield chunk, full
-                chunk, full = ahead.result()
-            yield chunk, full
 
     def catch_up(
         self,
@@ -363,20 +344,6 @@ def read_raw(
         after = page[-1].id
         if len(page) < PAGE:
             return read
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection inside: a rebuild allocates hundreds of thousands of
-    long-lived objects (a page of events and its rows), on which the collector's passes
-    cost about a quarter of the time and free nothing."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def rebuild(

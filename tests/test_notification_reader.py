@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from eventsourcing.persistence import Notification
 
 from infrastructure import SchedulerApplication
@@ -35,8 +37,24 @@ def test_pages_equal_the_recorders_notifications(app: SchedulerApplication, cloc
         (0, None, reserved),
         (4, head - 1, reserved),
     ]:
-        pages = list(read_pages(app.recorder, after=after, until=until, topics=topics, page_size=3))
-        assert all(len(page) == 3 for page in pages[:-1])
         expected = recorder_read(app, after, until, topics)
-        assert [n for page in pages for n in page] == expected
         assert expected  # each case reads something
+        for read_ahead in (False, True):
+            pages = list(
+                read_pages(
+                    app.recorder, after=after, until=until, topics=topics,
+                    page_size=3, first_page_size=2, read_ahead=read_ahead,
+                )
+            )  # fmt: skip
+            assert len(pages[0]) == min(2, len(expected))
+            assert all(len(page) == 3 for page in pages[1:-1])
+            assert [n for page in pages for n in page] == expected
+
+
+def test_closing_early_leaves_no_reader_thread(app: SchedulerApplication, clock: Clock) -> None:
+    for runner_id in ("r1", "r2", "r3"):
+        register(app, runner_id, at=clock())
+    pages = read_pages(app.recorder, page_size=1, read_ahead=True)
+    assert len(next(pages)) == 1
+    pages.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("read-ahead")]
