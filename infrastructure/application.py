@@ -438,11 +438,12 @@ class SchedulerApplication(Application[UUID]):
             return self.fold_runner_snapshots(requirements.pool_name), Unlisted()
         view = read_models.runners
         stale_before = now - heartbeat_timeout
-        counts = view.prefilter_counts(requirements, stale_before)
+        counts, page = view.first_candidates(requirements, stale_before, CANDIDATE_PAGE)
         candidates: list[RunnerSnapshot] = []
         offset, limit = 0, CANDIDATE_PAGE
         while True:
-            page = view.candidate_page(requirements, stale_before, offset, limit)
+            if offset:
+                page = view.candidate_page(requirements, stale_before, offset, limit)
             candidates.extend(snapshot for _, snapshot in page)
             if len(page) < limit:
                 break

@@ -108,6 +108,56 @@ class RunnerSnapshotsView(SqlView):
         reasons = {key: int(row[f"r{index}"] or 0) for index, (key, _, _) in enumerate(rules)}
         return PoolCounts(int(row["pool_runners"]), int(row["excluded"] or 0), reasons)
 
+    def first_candidates(
+        self, requirements: Requirements, stale_before: datetime, limit: int
+    ) -> tuple[PoolCounts, list[tuple[RankBound, RunnerSnapshot]]]:
+        """``prefilter_counts`` and ``candidate_page(offset=0)`` in one scan of the pool:
+        a narrow CTE of (id, failed-rule bitmask, bound keys) feeds both the counts per
+        bitmask and the first ``limit`` passing ids; then those rows by primary key."""
+        rules = _prefilter_rules(requirements, stale_before)
+        flags = " + ".join(
+            f"CASE WHEN {condition} THEN {1 << index} ELSE 0 END"
+            for index, (_, condition, _) in enumerate(rules)
+        )
+        params: list[Any] = [p for _, _, condition_params in rules for p in condition_params]
+        locality, locality_params = _locality_bound(requirements)
+        params += [*locality_params, requirements.pool_name, limit]
+        free = {dim: f"(allocatable_{dim} - reserved_{dim})" for dim in DIMENSIONS}
+        rows = self.query(
+            f"WITH pool AS (SELECT runner_id, ({flags}) AS flags, {locality} AS lb, "
+            f"{free['instances']} AS fi, {free['vcpu_count']} AS fv, "
+            f"{free['memory_bytes']} AS fm FROM {{table}} "
+            "WHERE pool_name = %s AND deregistered = 0) "
+            "SELECT flags, COUNT(*) AS n, NULL AS runner_id FROM pool GROUP BY flags "
+            "UNION ALL SELECT * FROM (SELECT -1 AS flags, 0 AS n, runner_id FROM pool "
+            f"WHERE flags = 0 ORDER BY lb DESC, fi DESC, fv DESC, fm DESC, {self.id_order} "
+            "LIMIT %s) AS page",
+            params,
+        )
+        pool_runners = excluded = 0
+        reasons = dict.fromkeys((key for key, _, _ in rules), 0)
+        ids = []
+        for row in rows:
+            if row["flags"] < 0:
+                ids.append(row["runner_id"])
+                continue
+            pool_runners += row["n"]
+            if row["flags"]:
+                excluded += row["n"]
+            for index, (key, _, _) in enumerate(rules):
+                if row["flags"] & (1 << index):
+                    reasons[key] += row["n"]
+        page = []
+        if ids:
+            placeholders = ", ".join("%s" for _ in ids)
+            found = self.query(
+                f"SELECT *, {locality} AS locality_bound FROM {{table}} "
+                f"WHERE runner_id IN ({placeholders}) AND deregistered = 0",
+                [*locality_params, *ids],
+            )
+            page = sorted((_bound(row), row_to_snapshot(row)) for row in found)
+        return PoolCounts(pool_runners, excluded, reasons), page
+
     def candidate_page(
         self, requirements: Requirements, stale_before: datetime, offset: int, limit: int
     ) -> list[tuple[RankBound, RunnerSnapshot]]:
@@ -121,14 +171,7 @@ class RunnerSnapshotsView(SqlView):
         for _, condition, condition_params in rules:
             where.append(f"NOT {condition}")
             params.extend(condition_params)
-        locality_terms, locality_params = [], []
-        for digest in sorted(set(requirements.preferred_artifact_digests)):
-            pattern = json.dumps(digest)
-            locality_terms.append(
-                "(LENGTH(artifact_digests) - LENGTH(REPLACE(artifact_digests, %s, ''))) / %s"
-            )
-            locality_params.extend([pattern, len(pattern)])
-        locality = " + ".join(locality_terms) or "0"
+        locality, locality_params = _locality_bound(requirements)
         free = {dim: f"(allocatable_{dim} - reserved_{dim})" for dim in DIMENSIONS}
         rows = self.query(
             f"SELECT *, {locality} AS locality_bound FROM {{table}} "
@@ -137,17 +180,7 @@ class RunnerSnapshotsView(SqlView):
             f"{free['memory_bytes']} DESC, {self.id_order} LIMIT %s OFFSET %s",
             [*locality_params, *params, limit, offset],
         )
-        page = []
-        for row in rows:
-            bound: RankBound = (
-                -int(row["locality_bound"]),
-                -(row["allocatable_instances"] - row["reserved_instances"]),
-                -(row["allocatable_vcpu_count"] - row["reserved_vcpu_count"]),
-                -(row["allocatable_memory_bytes"] - row["reserved_memory_bytes"]),
-                row["runner_id"],
-            )
-            page.append((bound, row_to_snapshot(row)))
-        return page
+        return [(_bound(row), row_to_snapshot(row)) for row in rows]
 
     def snapshot(self, runner_id: str) -> RunnerSnapshot | None:
         rows = self.query(
@@ -181,6 +214,28 @@ class PoolCounts:
     @property
     def passed(self) -> int:
         return self.pool_runners - self.excluded
+
+
+def _locality_bound(requirements: Requirements) -> tuple[str, list[Any]]:
+    """SQL of an upper bound of the artifact locality: per distinct preferred digest,
+    the non-overlapping occurrences of its JSON string in the ``artifact_digests`` text
+    (every element equal to it is one; docs/architecture.md)."""
+    terms, params = [], []
+    for digest in sorted(set(requirements.preferred_artifact_digests)):
+        pattern = json.dumps(digest)
+        terms.append("(LENGTH(artifact_digests) - LENGTH(REPLACE(artifact_digests, %s, ''))) / %s")
+        params.extend([pattern, len(pattern)])
+    return " + ".join(terms) or "0", params
+
+
+def _bound(row: dict[str, Any]) -> RankBound:
+    return (
+        -int(row["locality_bound"]),
+        -(row["allocatable_instances"] - row["reserved_instances"]),
+        -(row["allocatable_vcpu_count"] - row["reserved_vcpu_count"]),
+        -(row["allocatable_memory_bytes"] - row["reserved_memory_bytes"]),
+        row["runner_id"],
+    )
 
 
 def _has_name(column: str, name: str) -> tuple[str, list[Any]]:
