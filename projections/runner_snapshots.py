@@ -87,11 +87,12 @@ class RunnerSnapshotsView(SqlView):
     # -- candidates of a placement (create_sandbox) ---------------------------------
 
     id_order: ClassVar[str] = "runner_id"  # ordered like Python's str (code points)
+    contains: ClassVar[str] = "INSTR({column}, %s) > 0"  # case-sensitive substring test
 
     def prefilter_counts(self, requirements: Requirements, stale_before: datetime) -> PoolCounts:
         """One aggregate over the pool: its registered runners, how many pass the
         prefilter, and per reason key how many fail that prefilter rule."""
-        rules = _prefilter_rules(requirements, stale_before)
+        rules = _prefilter_rules(requirements, stale_before, self.contains)
         columns, params = ["COUNT(*) AS pool_runners"], []
         for index, (_, condition, condition_params) in enumerate(rules):
             columns.append(f"SUM(CASE WHEN {condition} THEN 1 ELSE 0 END) AS r{index}")
@@ -114,13 +115,13 @@ class RunnerSnapshotsView(SqlView):
         """``prefilter_counts`` and ``candidate_page(offset=0)`` in one scan of the pool:
         a narrow CTE of (id, failed-rule bitmask, bound keys) feeds both the counts per
         bitmask and the first ``limit`` passing ids; then those rows by primary key."""
-        rules = _prefilter_rules(requirements, stale_before)
+        rules = _prefilter_rules(requirements, stale_before, self.contains)
         flags = " + ".join(
             f"CASE WHEN {condition} THEN {1 << index} ELSE 0 END"
             for index, (_, condition, _) in enumerate(rules)
         )
         params: list[Any] = [p for _, _, condition_params in rules for p in condition_params]
-        locality, locality_params = _locality_bound(requirements)
+        locality, locality_params = _locality_bound(requirements, self.contains)
         params += [*locality_params, requirements.pool_name, limit]
         free = {dim: f"(allocatable_{dim} - reserved_{dim})" for dim in DIMENSIONS}
         rows = self.query(
@@ -165,13 +166,13 @@ class RunnerSnapshotsView(SqlView):
         their ranking key (``domain.placement`` ``_rank_key``): artifact locality bounded
         by occurrences of each preferred digest in the JSON text, then free instances,
         vcpu, memory (descending) and id."""
-        rules = _prefilter_rules(requirements, stale_before)
+        rules = _prefilter_rules(requirements, stale_before, self.contains)
         where = ["pool_name = %s", "deregistered = 0"]
         params: list[Any] = [requirements.pool_name]
         for _, condition, condition_params in rules:
             where.append(f"NOT {condition}")
             params.extend(condition_params)
-        locality, locality_params = _locality_bound(requirements)
+        locality, locality_params = _locality_bound(requirements, self.contains)
         free = {dim: f"(allocatable_{dim} - reserved_{dim})" for dim in DIMENSIONS}
         rows = self.query(
             f"SELECT *, {locality} AS locality_bound FROM {{table}} "
@@ -198,6 +199,7 @@ class SQLiteRunnerSnapshotsView(RunnerSnapshotsView, SQLiteSqlView):
 
 class PostgresRunnerSnapshotsView(RunnerSnapshotsView, PostgresSqlView):
     id_order = 'runner_id COLLATE "C"'  # byte order of UTF-8 = Python's str order
+    contains = "STRPOS({column}, %s) > 0"
 
 
 RankBound = tuple[int, int, int, int, str]
@@ -216,15 +218,18 @@ class PoolCounts:
         return self.pool_runners - self.excluded
 
 
-def _locality_bound(requirements: Requirements) -> tuple[str, list[Any]]:
+def _locality_bound(requirements: Requirements, contains: str) -> tuple[str, list[Any]]:
     """SQL of an upper bound of the artifact locality: per distinct preferred digest,
     the non-overlapping occurrences of its JSON string in the ``artifact_digests`` text
     (every element equal to it is one; docs/architecture.md)."""
     terms, params = [], []
     for digest in sorted(set(requirements.preferred_artifact_digests)):
         pattern = json.dumps(digest)
-        terms.append("(LENGTH(artifact_digests) - LENGTH(REPLACE(artifact_digests, %s, ''))) / %s")
-        params.extend([pattern, len(pattern)])
+        terms.append(
+            f"CASE WHEN {contains.format(column='artifact_digests')} THEN "
+            "(LENGTH(artifact_digests) - LENGTH(REPLACE(artifact_digests, %s, ''))) / %s ELSE 0 END"
+        )
+        params.extend([pattern, pattern, len(pattern)])
     return " + ".join(terms) or "0", params
 
 
@@ -238,22 +243,24 @@ def _bound(row: dict[str, Any]) -> RankBound:
     )
 
 
-def _has_name(column: str, name: str) -> tuple[str, list[Any]]:
+def _has_name(contains: str, column: str, name: str) -> tuple[str, list[Any]]:
     """True when the JSON list text of ``column`` contains ``"name"`` as a substring:
     case-sensitive on both databases, true whenever the list holds ``name`` (a superset
     test, so that excluding on its negation is safe)."""
-    return f"REPLACE({column}, %s, '') <> {column}", [json.dumps(name)]
+    return contains.format(column=column), [json.dumps(name)]
 
 
 def _prefilter_rules(
-    requirements: Requirements, stale_before: datetime
+    requirements: Requirements, stale_before: datetime, contains: str
 ) -> list[tuple[str, str, list[Any]]]:
     """(reason key, SQL condition true when the runner fails, params) for the rules of
     ``domain.placement`` that plain columns decide. Each condition implies that the
     runner fails that rule, so excluding on them never hides a compatible runner."""
     requested = requirements.capacity.as_dict()
-    compute, compute_params = _has_name("capabilities", CAPABILITY_COMPUTE)
-    admission, admission_params = _has_name("capabilities", CAPABILITY_PHYSICAL_STORAGE_ADMISSION)
+    compute, compute_params = _has_name(contains, "capabilities", CAPABILITY_COMPUTE)
+    admission, admission_params = _has_name(
+        contains, "capabilities", CAPABILITY_PHYSICAL_STORAGE_ADMISSION
+    )
     generation = requirements.guest_protocol_generation
     rules: list[tuple[str, str, list[Any]]] = [
         (ARCHITECTURE, "architecture <> %s", [requirements.architecture]),
