@@ -39,6 +39,7 @@ from domain.values import (
 )
 
 DIMENSIONS = Capacity.DIMENSIONS
+_RANK_KEYS = ("artifact_locality", "free_instances", "free_vcpu_count", "free_memory_bytes")
 
 
 @dataclass(frozen=True)
@@ -433,6 +434,32 @@ class AuditFold:
         )
         self._enter(event.originator_id).sandbox = sandbox
         self.sandbox_streams[event.sandbox_id] = event.originator_id
+        self._check_home_decision(event.home_runner_id, event.home_decision)
+
+    def _check_home_decision(self, home: str, decision: dict[str, Any]) -> None:
+        """The home decision's own evidence is consistent: the chosen runner is the
+        home runner, listed as compatible, and ranks first among the compatible runners
+        listed (unlisted runners are only counted: docs/events.md 7.3)."""
+        if decision.get("chosen_runner_id") != home:
+            self._violate(
+                "invariant-4", f"home decision chose {decision.get('chosen_runner_id')!r}"
+            )
+        ranks = {
+            c["runner_id"]: c.get("rank")
+            for c in decision.get("candidates", ())
+            if not c["failures"]
+        }
+        if home not in ranks:
+            self._violate("invariant-4", f"home runner {home!r} is not listed as compatible")
+            return
+
+        def key(runner_id: str) -> tuple[Any, ...]:
+            rank = ranks[runner_id] or {}
+            return (*(-rank.get(k, 0) for k in _RANK_KEYS), runner_id)
+
+        best = min(ranks, key=key)
+        if ranks[home] is not None and best != home:
+            self._violate("invariant-4", f"listed runner {best!r} ranks above home {home!r}")
 
     def _sandbox(self, event: Any) -> SandboxState | None:
         sandbox = self._stream.sandbox if self._stream else None

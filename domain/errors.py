@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from domain.placement import RunnerEvaluation
+    from domain.placement import RunnerEvaluation, Unlisted
 
 
 class SchedulerError(Exception):
@@ -39,11 +39,14 @@ class PlacementError(SchedulerError):
         self,
         evaluations: Sequence[RunnerEvaluation] = (),
         detail: str = "",
+        *,
+        unlisted: Unlisted | None = None,
     ) -> None:
-        self.evaluations = tuple(evaluations)
-        from domain.placement import summarize_refusals
+        from domain.placement import Unlisted, summarize_refusals
 
-        summary = summarize_refusals(self.evaluations)
+        self.evaluations = tuple(evaluations)
+        self.unlisted = unlisted or Unlisted()  # runners refused without a record, counted
+        summary = summarize_refusals(self.evaluations, self.unlisted)
         message = self.base_message
         if detail:
             message = f"{message}: {detail}"

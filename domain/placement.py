@@ -19,6 +19,7 @@ from domain.errors import (
     HomeRunnerUnavailableError,
     InvalidRequestError,
     NoCompatibleRunnerError,
+    PlacementError,
 )
 from domain.values import (
     DRAIN_PHASE_ACTIVE,
@@ -304,17 +305,23 @@ def _rank_key(preferred: frozenset[str], runner: RunnerSnapshot) -> tuple[int, i
 
 @dataclass(frozen=True)
 class PlacementDecision:
-    """The outcome of one selection and the evidence it was made on."""
+    """The outcome of one selection and the evidence it was made on.
+
+    ``unlisted`` counts the runners of the pool that were decided without an
+    evaluation here (see :class:`Unlisted`): excluded by a store's prefilter, or never
+    evaluated because they provably rank below ``chosen``.
+    """
 
     chosen: RunnerSnapshot | None
     evaluations: tuple[RunnerEvaluation, ...]
+    unlisted: Unlisted = field(default_factory=lambda: Unlisted())
 
     @property
     def compatible_count(self) -> int:
         return sum(1 for evaluation in self.evaluations if evaluation.compatible)
 
     def summary(self) -> str:
-        return summarize_refusals(self.evaluations)
+        return summarize_refusals(self.evaluations, self.unlisted)
 
 
 def decide(
@@ -322,8 +329,13 @@ def decide(
     runners: Sequence[RunnerSnapshot],
     now: datetime,
     heartbeat_timeout: timedelta,
+    unlisted: Unlisted | None = None,
 ) -> PlacementDecision:
-    """Evaluate every runner and pick the best compatible one, without raising."""
+    """Evaluate every runner and pick the best compatible one, without raising.
+
+    ``unlisted``: counts of the pool's runners not passed in (a store's prefilter); they
+    are only carried as evidence, never chosen.
+    """
     ctx = _context(requirements, now, heartbeat_timeout)
     evaluations = tuple(_evaluate(ctx, runner) for runner in runners)
     compatible = [
@@ -332,17 +344,31 @@ def decide(
         if evaluation.compatible
     ]
     chosen = min(compatible, key=lambda r: _rank_key(ctx.preferred, r)) if compatible else None
-    return PlacementDecision(chosen, evaluations)
+    return PlacementDecision(chosen, evaluations, unlisted or Unlisted())
 
 
 def _refuse(
     decision: PlacementDecision,
     error: type[NoCompatibleRunnerError] | type[HomeRunnerUnavailableError],
     detail: str = "",
+    *,
+    bounded: bool = False,
 ) -> NoCompatibleRunnerError | HomeRunnerUnavailableError | EgressContextUnavailableError:
-    if any(evaluation.failed_only_egress for evaluation in decision.evaluations):
-        return EgressContextUnavailableError(decision.evaluations, detail)
-    return error(decision.evaluations, detail)
+    evaluations, unlisted = decision.evaluations, decision.unlisted
+    egress = any(evaluation.failed_only_egress for evaluation in evaluations)
+    if bounded:
+        kept, elided = bounded_evidence(evaluations, None)
+        evaluations, unlisted = tuple(evaluations[i] for i in kept), unlisted.merged(elided)
+    if egress:
+        return EgressContextUnavailableError(evaluations, detail, unlisted=unlisted)
+    return error(evaluations, detail, unlisted=unlisted)
+
+
+def refusal(decision: PlacementDecision) -> PlacementError:
+    """The typed error of a decision without a chosen runner (``select_runner``'s), its
+    evidence bounded: at most :data:`EVIDENCE_PER_REASON` evaluations per combination
+    of reasons, counts for the rest."""
+    return _refuse(decision, NoCompatibleRunnerError, bounded=True)
 
 
 def select_runner(
@@ -402,25 +428,144 @@ _LABELS = {
 }
 
 
-def refusal_counts(evaluations: Iterable[RunnerEvaluation]) -> Counter[str]:
+def reason_label(reason: str) -> str:
+    """The summary label of a reason key: a code, or ``capacity:<dimension>``."""
+    if reason.startswith(f"{CAPACITY}:"):
+        return f"insufficient {reason.split(':', 1)[1]}"
+    return _LABELS[reason]
+
+
+def reason_keys(evaluation: RunnerEvaluation) -> list[str]:
+    """Reason keys of one evaluation: codes, capacity split per dimension."""
+    keys: list[str] = []
+    for failure in evaluation.failures:
+        if failure.code == CAPACITY:
+            keys.extend(f"{CAPACITY}:{dim}" for dim in failure.shortfall)
+        else:
+            keys.append(failure.code)
+    return keys
+
+
+@dataclass(frozen=True)
+class Unlisted:
+    """Runners of a decision that have no evaluation record of their own, as counts.
+
+    ``refused``: runners refused without a record (by the store's prefilter on plain
+    columns, or evaluated and elided from bounded evidence); ``reasons`` counts them per
+    reason key (a code, or ``capacity:<dimension>``; a runner counts once per reason).
+    ``compatible``: compatible runners elided from the evidence. ``not_evaluated``:
+    runners that passed the prefilter but were never evaluated because they rank below
+    the chosen runner by an upper bound of their ranking key.
+    """
+
+    refused: int = 0
+    compatible: int = 0
+    not_evaluated: int = 0
+    reasons: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.refused + self.compatible + self.not_evaluated
+
+    def __bool__(self) -> bool:
+        return self.total > 0
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "refused": self.refused,
+            "compatible": self.compatible,
+            "not_evaluated": self.not_evaluated,
+            "reasons": {key: count for key, count in sorted(self.reasons.items()) if count},
+        }
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any] | None) -> Unlisted:
+        if not record:
+            return cls()
+        return cls(
+            int(record.get("refused", 0)),
+            int(record.get("compatible", 0)),
+            int(record.get("not_evaluated", 0)),
+            {str(k): int(v) for k, v in dict(record.get("reasons", {})).items()},
+        )
+
+    def merged(self, other: Unlisted) -> Unlisted:
+        reasons = Counter(self.reasons)
+        reasons.update(other.reasons)
+        return Unlisted(
+            self.refused + other.refused,
+            self.compatible + other.compatible,
+            self.not_evaluated + other.not_evaluated,
+            dict(reasons),
+        )
+
+
+EVIDENCE_PER_REASON = 8
+
+
+def bounded_evidence(
+    evaluations: Sequence[RunnerEvaluation],
+    chosen_id: str | None,
+    per_reason: int = EVIDENCE_PER_REASON,
+) -> tuple[list[int], Unlisted]:
+    """Which evaluations to record (indexes, in order) and counts for the others.
+
+    Kept: the chosen runner, the first ``per_reason`` other compatible runners, and
+    for every combination of reasons the first ``per_reason`` runners refused by it.
+    Every reason that refused any runner therefore keeps at least one example.
+    """
+    kept: list[int] = []
+    seen: Counter[tuple[str, ...]] = Counter()
+    compatible = refused = 0
+    reasons: Counter[str] = Counter()
+    for index, evaluation in enumerate(evaluations):
+        if evaluation.runner_id == chosen_id and evaluation.compatible:
+            kept.append(index)
+            continue
+        combination = evaluation.reason_codes
+        if seen[combination] < per_reason:
+            seen[combination] += 1
+            kept.append(index)
+        elif evaluation.compatible:
+            compatible += 1
+        else:
+            refused += 1
+            reasons.update(reason_keys(evaluation))
+    return kept, Unlisted(refused=refused, compatible=compatible, reasons=dict(reasons))
+
+
+def refusal_counts(
+    evaluations: Iterable[RunnerEvaluation], unlisted: Unlisted | None = None
+) -> Counter[str]:
     """How many runners each reason refused; capacity is split per dimension."""
     counts: Counter[str] = Counter()
     for evaluation in evaluations:
-        for failure in evaluation.failures:
-            if failure.code == CAPACITY:
-                counts.update(f"insufficient {dim}" for dim in failure.shortfall)
-            else:
-                counts[_LABELS[failure.code]] += 1
+        for key in reason_keys(evaluation):
+            counts[reason_label(key)] += 1
+    if unlisted is not None:
+        for key, count in unlisted.reasons.items():
+            if count:
+                counts[reason_label(key)] += count
     return counts
 
 
-def summarize_refusals(evaluations: Sequence[RunnerEvaluation]) -> str:
-    """kube-scheduler style: '0/12 runners are available: 5 insufficient memory_bytes, ...'."""
-    if not evaluations:
+def summarize_refusals(
+    evaluations: Sequence[RunnerEvaluation], unlisted: Unlisted | None = None
+) -> str:
+    """kube-scheduler style: '0/12 runners are available: 5 insufficient memory_bytes, ...'.
+
+    With ``unlisted`` counts (runners without a record of their own), the total counts
+    them too, and runners never evaluated are named: '3/10000 runners are available
+    (9950 not evaluated: ranked below the chosen runner): ...'.
+    """
+    extra = unlisted or Unlisted()
+    if not evaluations and not extra:
         return ""
-    available = sum(1 for evaluation in evaluations if evaluation.compatible)
-    counts = refusal_counts(evaluations)
-    head = f"{available}/{len(evaluations)} runners are available"
+    available = sum(1 for evaluation in evaluations if evaluation.compatible) + extra.compatible
+    counts = refusal_counts(evaluations, extra)
+    head = f"{available}/{len(evaluations) + extra.total} runners are available"
+    if extra.not_evaluated:
+        head += f" ({extra.not_evaluated} not evaluated: ranked below the chosen runner)"
     if not counts:
         return head
     parts = sorted(counts.items(), key=lambda item: (-item[1], item[0]))

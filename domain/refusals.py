@@ -16,7 +16,7 @@ from typing import Any
 from eventsourcing.domain import Aggregate
 
 from domain.ids import refusal_log_uuid
-from domain.placement import RunnerEvaluation, summarize_refusals
+from domain.placement import RunnerEvaluation, Unlisted, summarize_refusals
 
 OPERATION_CREATE = "create_sandbox"
 OPERATION_SCHEDULE = "schedule"
@@ -44,9 +44,12 @@ class RefusalLog(Aggregate):
         decided_at: datetime
         heartbeat_timeout_seconds: float
         candidates: list[dict[str, Any]]
+        unlisted: dict[str, Any] | None = None  # Unlisted.to_record(); absent before
 
         def apply(self, log: RefusalLog) -> None:
-            log.last[f"{self.operation}#{self.generation}"] = self.candidates
+            log.last[f"{self.operation}#{self.generation}"] = _reasons(
+                self.candidates, self.unlisted
+            )
 
     def refuse(
         self,
@@ -57,10 +60,14 @@ class RefusalLog(Aggregate):
         evaluations: Sequence[RunnerEvaluation],
         decided_at: datetime,
         heartbeat_timeout: timedelta,
+        unlisted: Unlisted | None = None,
     ) -> bool:
-        """Record a refusal unless its reasons equal the last one of this operation."""
+        """Record a refusal unless its reasons equal the last one of this operation.
+
+        ``unlisted``: counts of the runners refused without an evaluation record."""
         candidates = [evaluation.to_record() for evaluation in evaluations]
-        if self.last.get(f"{operation}#{generation}") == candidates:
+        counts = unlisted.to_record() if unlisted else None
+        if self.last.get(f"{operation}#{generation}") == _reasons(candidates, counts):
             return False
         self.trigger_event(
             self.Refused,
@@ -68,9 +75,15 @@ class RefusalLog(Aggregate):
             operation=operation,
             generation=generation,
             error=error,
-            summary=summarize_refusals(evaluations),
+            summary=summarize_refusals(evaluations, unlisted),
             decided_at=decided_at,
             heartbeat_timeout_seconds=heartbeat_timeout.total_seconds(),
             candidates=candidates,
+            unlisted=counts,
         )
         return True
+
+
+def _reasons(candidates: list[dict[str, Any]], unlisted: dict[str, Any] | None) -> list[Any]:
+    """What two refusals are compared on: the records, and the counts when there are any."""
+    return [*candidates, {"unlisted": unlisted}] if unlisted else candidates

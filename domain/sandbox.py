@@ -39,7 +39,15 @@ from domain.errors import (
     StaleFenceError,
 )
 from domain.ids import sandbox_uuid
-from domain.placement import decide, rank_key, select_home_runner, select_runner
+from domain.placement import (
+    PlacementDecision,
+    Unlisted,
+    bounded_evidence,
+    decide,
+    rank_key,
+    refusal,
+    select_home_runner,
+)
 from domain.reconcile import ACTION_DEADLINE_EXCEEDED, ACTION_NONE, ACTION_UNCERTAIN, ACTIONS
 from domain.values import Requirements, RunnerSnapshot, ScheduleRequest
 
@@ -72,6 +80,25 @@ def ranked_candidates(
             }
         records.append(record)
     return records
+
+
+def home_decision_record(
+    requirements: Requirements,
+    runners: Sequence[RunnerSnapshot],
+    decision: PlacementDecision,
+    now: datetime,
+    heartbeat_timeout: timedelta,
+) -> dict[str, Any]:
+    """The evidence of a home decision (docs/events.md 7.3): bounded candidate records,
+    and ``unlisted`` counts for the pool's runners without a record."""
+    assert decision.chosen is not None
+    kept, elided = bounded_evidence(decision.evaluations, decision.chosen.id)
+    record = decision_record(now, heartbeat_timeout, [], decision.chosen.id)
+    record["candidates"] = ranked_candidates(
+        requirements, [runners[i] for i in kept], [decision.evaluations[i] for i in kept]
+    )
+    record["unlisted"] = decision.unlisted.merged(elided).to_record()
+    return record
 
 
 class Sandbox(Aggregate):
@@ -114,16 +141,21 @@ class Sandbox(Aggregate):
         runners: Sequence[RunnerSnapshot],
         now: datetime,
         heartbeat_timeout: timedelta,
+        unlisted: Unlisted | None = None,
     ) -> Sandbox:
-        """Choose the home runner with ``select_runner`` and record why."""
-        decision = decide(requirements, runners, now, heartbeat_timeout)
+        """Choose the home runner as ``select_runner`` would, and record why.
+
+        ``runners`` are the candidates a store's prefilter let through (or the whole
+        pool); ``unlisted`` counts the pool's other runners (see
+        :class:`domain.placement.Unlisted`). The recorded evidence is bounded: the
+        chosen runner, a few runners per combination of reasons, counts for the rest.
+        """
+        decision = decide(requirements, runners, now, heartbeat_timeout, unlisted)
         if decision.chosen is None:
-            select_runner(requirements, runners, now, heartbeat_timeout)  # raises the typed error
-        assert decision.chosen is not None
-        home_decision = decision_record(
-            now, heartbeat_timeout, decision.evaluations, decision.chosen.id
+            raise refusal(decision)
+        home_decision = home_decision_record(
+            requirements, runners, decision, now, heartbeat_timeout
         )
-        home_decision["candidates"] = ranked_candidates(requirements, runners, decision.evaluations)
         return cls._create(
             cls.Created,
             id=sandbox_uuid(sandbox_id),

@@ -35,6 +35,7 @@ from domain.errors import (
 )
 from domain.ids import lease_uuid, refusal_log_uuid, runner_uuid, sandbox_uuid
 from domain.lease import RunnerLease
+from domain.placement import Unlisted, decide, rank_key
 from domain.reconcile import ReconcileDecision
 from domain.refusals import OPERATION_CREATE, OPERATION_SCHEDULE, RefusalLog
 from domain.runner import Runner
@@ -68,6 +69,7 @@ BACKOFF_BASE_SECONDS = 0.002
 BACKOFF_CAP_SECONDS = 0.250
 COMMAND_RETRY_LIMIT = 32  # conflicts tolerated by commands other than schedule
 DEFAULT_LEASE_RENEWAL = timedelta(seconds=10)
+CANDIDATE_PAGE = 16  # first page of prefiltered candidates; each next page doubles
 
 
 def system_now() -> datetime:
@@ -352,14 +354,16 @@ class SchedulerApplication(Application[UUID]):
         if existing is None:
             now = self.now()
             try:
+                runners, unlisted = self._candidates(wanted, now, heartbeat_timeout)
                 sandbox = Sandbox.create(
                     sandbox_id=sandbox_id,
                     workspace_id=workspace_id,
                     profile_revision_id=profile_revision_id,
                     requirements=wanted,
-                    runners=self._candidates(wanted),
+                    runners=runners,
                     now=now,
                     heartbeat_timeout=heartbeat_timeout,
+                    unlisted=unlisted,
                 )
             except PlacementError as error:
                 self._record_refusal(sandbox_id, OPERATION_CREATE, 0, error, now, heartbeat_timeout)
@@ -402,6 +406,7 @@ class SchedulerApplication(Application[UUID]):
                 evaluations=error.evaluations,
                 decided_at=decided_at,
                 heartbeat_timeout=heartbeat_timeout,
+                unlisted=error.unlisted,
             )
             if not recorded:
                 return
@@ -412,18 +417,47 @@ class SchedulerApplication(Application[UUID]):
             except IntegrityError:
                 continue
 
-    def _candidates(self, requirements: Requirements) -> list[RunnerSnapshot]:
-        """Runners of the requirements' pool, from the read model's (pool, architecture)
-        index when present. Every runner of the pool is evaluated, so the recorded home
-        decision explains why each of them was or was not chosen.
+    def _candidates(
+        self, requirements: Requirements, now: datetime, heartbeat_timeout: timedelta
+    ) -> tuple[list[RunnerSnapshot], Unlisted]:
+        """The runners to evaluate for a home decision, and counts of the pool's others.
+
+        With the read model: the pool's runners that pass the SQL prefilter (plain
+        columns: architecture, drain phase, heartbeat, backend, guest protocol, free
+        capacity), best first by an upper bound of the ranking key, a page at a time
+        until the page's last bound ranks below the best compatible runner found (or the
+        rows run out). Every runner not fetched ranks below the chosen one or fails a
+        prefilter rule, so the choice is exactly ``select_runner``'s over the whole pool
+        (docs/architecture.md, "Selection without reading the pool"). Without it: every
+        runner of the pool, folded from the aggregates.
 
         A lagging read model can only make the home choice worse, never unsafe:
         ``schedule`` decides against the aggregates.
         """
         read_models = self.current_read_models()
-        if read_models is not None:
-            return read_models.runners.snapshots(requirements.pool_name)
-        return self.fold_runner_snapshots(requirements.pool_name)
+        if read_models is None:
+            return self.fold_runner_snapshots(requirements.pool_name), Unlisted()
+        view = read_models.runners
+        stale_before = now - heartbeat_timeout
+        counts, page = view.first_candidates(requirements, stale_before, CANDIDATE_PAGE)
+        candidates: list[RunnerSnapshot] = []
+        offset, limit = 0, CANDIDATE_PAGE
+        while True:
+            if offset:
+                page = view.candidate_page(requirements, stale_before, offset, limit)
+            candidates.extend(snapshot for _, snapshot in page)
+            if len(page) < limit:
+                break
+            chosen = decide(requirements, candidates, now, heartbeat_timeout).chosen
+            if chosen is not None and page[-1][0] > rank_key(requirements, chosen):
+                break
+            offset, limit = offset + limit, limit * 2
+        unlisted = Unlisted(
+            refused=counts.excluded,
+            not_evaluated=max(0, counts.passed - len(candidates)),
+            reasons=counts.reasons,
+        )
+        return candidates, unlisted
 
     def _runner_and_lease(self, runner_id: str) -> tuple[Runner, RunnerLease]:
         """The home runner (a copy to command) and its lease; cached ones are brought

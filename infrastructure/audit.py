@@ -29,7 +29,7 @@ from domain.assignment import to_durable_assignment
 from domain.audit import AuditFold, Violation
 from domain.errors import InvalidRequestError, RunnerNotFoundError, SandboxNotFoundError
 from domain.ids import lease_uuid, refusal_log_uuid, runner_uuid, sandbox_uuid
-from domain.placement import RunnerEvaluation, summarize_refusals
+from domain.placement import RunnerEvaluation, Unlisted, summarize_refusals
 from domain.values import DurableAssignment, RunnerSnapshot
 from infrastructure.application import SchedulerApplication
 from projections.notification_reader import gc_paused, read_pages
@@ -247,7 +247,8 @@ def _fields(event: Any) -> dict[str, Any]:
     if "home_decision" in fields:
         decision = fields.pop("home_decision")
         fields["home_decision"] = summarize_refusals(
-            [RunnerEvaluation.from_record(c) for c in decision["candidates"]]
+            [RunnerEvaluation.from_record(c) for c in decision["candidates"]],
+            Unlisted.from_record(decision.get("unlisted")),
         )
     if "requirements" in fields:
         wanted = fields.pop("requirements")
@@ -256,6 +257,8 @@ def _fields(event: Any) -> dict[str, Any]:
         }
     if "candidates" in fields:
         fields["candidates"] = len(fields["candidates"])
+    if fields.get("unlisted") is None:
+        fields.pop("unlisted", None)
     return {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in fields.items()}
 
 
@@ -355,11 +358,14 @@ def _decision(title: str, record: dict[str, Any], chosen: str | None, **detail: 
         )
     order = {"chosen": 0, "compatible, ranked lower": 1, "refused": 2}
     lines.sort(key=lambda line: (order[line.verdict], line.runner_id))
+    unlisted = Unlisted.from_record(record.get("unlisted"))
+    if unlisted:  # runners without a line of their own (docs/events.md 7.3)
+        detail["unlisted"] = unlisted.to_record()
     return Decision(
         title,
         record["decided_at"],
         record["heartbeat_timeout_seconds"],
-        summarize_refusals(evaluations),
+        summarize_refusals(evaluations, unlisted),
         lines,
         detail,
     )
@@ -408,6 +414,7 @@ def explain(
             f"schedule of generation {event.generation}")  # fmt: skip
         record = {
             "candidates": event.candidates,
+            "unlisted": getattr(event, "unlisted", None),
             "decided_at": event.decided_at,
             "heartbeat_timeout_seconds": event.heartbeat_timeout_seconds,
         }
