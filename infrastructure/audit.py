@@ -7,23 +7,11 @@ aggregate cache, no projection. The CLI's ``audit`` commands print what these re
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
-from uuid import UUID
-
-from eventsourcing.persistence import (
-    DatetimeAsISO,
-    JSONTranscoder,
-    Mapper,
-    Notification,
-    UUIDAsHex,
-    find_id_convertor,
-)
-from eventsourcing.utils import resolve_topic
 
 from domain.assignment import to_durable_assignment
 from domain.audit import AuditFold, Violation
@@ -32,6 +20,7 @@ from domain.ids import lease_uuid, refusal_log_uuid, runner_uuid, sandbox_uuid
 from domain.placement import RunnerEvaluation, Unlisted, summarize_refusals
 from domain.values import DurableAssignment, RunnerSnapshot
 from infrastructure.application import SchedulerApplication
+from projections.event_decoder import EventDecoder
 from projections.notification_reader import gc_paused, read_pages
 from projections.read_models import RebuildReport, read_raw
 
@@ -52,76 +41,6 @@ def parse_until(text: str | None) -> Until:
     if moment.tzinfo is None:
         raise InvalidRequestError("until", "an ISO time needs a zone (Z or +00:00)", text)
     return moment
-
-
-class EventDecoder:
-    """``mapper.to_domain_event`` for a replay, with the per-event overhead cut.
-
-    For the application's own mapper (the library's ``Mapper`` with its
-    ``JSONTranscoder``, no cipher, no compressor) it decodes a notification as the
-    mapper does, with a leaner object hook (no exception per two-key object, ISO
-    datetimes and hex UUIDs parsed directly) and the event class and id convertor
-    looked up once per topic. Anything else falls back to the mapper itself: another
-    mapper or transcoder, a class with ``class_version`` (upcasting), a state that does
-    not decode (so the error is the mapper's own).
-    """
-
-    def __init__(self, mapper: Any) -> None:
-        self.mapper = mapper
-        self._topics: dict[str, tuple[type[Any], Callable[[Any], Any]] | None] = {}
-        transcoder = getattr(mapper, "transcoder", None)
-        self.lean = (
-            type(mapper).to_domain_event is Mapper.to_domain_event
-            and not mapper.cipher
-            and not mapper.compressor
-            and isinstance(transcoder, JSONTranscoder)
-            and type(transcoder).decode is JSONTranscoder.decode
-            and type(transcoder)._decode_obj is JSONTranscoder._decode_obj
-        )
-        decoders: dict[str, Callable[[Any], Any]] = {}
-        for name, transcoding in getattr(transcoder, "names", {}).items():
-            if type(transcoding) is DatetimeAsISO:
-                decoders[name] = datetime.fromisoformat
-            elif type(transcoding) is UUIDAsHex:
-                decoders[name] = UUID
-            else:
-                decoders[name] = transcoding.decode
-
-        def hook(obj: dict[str, Any]) -> Any:
-            if len(obj) == 2 and "_type_" in obj and "_data_" in obj:
-                return decoders[obj["_type_"]](obj["_data_"])
-            return obj
-
-        self._loads = json.JSONDecoder(object_hook=hook).decode
-
-    def __call__(self, notification: Notification) -> Any:
-        try:
-            entry = self._topics[notification.topic]
-        except KeyError:
-            entry = self._learn(notification.topic)
-        if entry is None or type(notification.originator_id) is not UUID:
-            return self.mapper.to_domain_event(notification)
-        try:
-            state = self._loads(notification.state.decode("utf8"))
-        except Exception:
-            return self.mapper.to_domain_event(notification)
-        if type(state) is not dict or "class_version" in state:
-            return self.mapper.to_domain_event(notification)
-        cls, convert = entry
-        state["originator_id"] = convert(notification.originator_id)
-        state["originator_version"] = notification.originator_version
-        event = object.__new__(cls)
-        object.__setattr__(event, "__dict__", state)
-        return event
-
-    def _learn(self, topic: str) -> tuple[type[Any], Callable[[Any], Any]] | None:
-        entry = None
-        if self.lean:
-            cls = resolve_topic(topic)
-            if getattr(cls, "class_version", 1) == 1:
-                entry = (cls, find_id_convertor(cls, UUID))
-        self._topics[topic] = entry
-        return entry
 
 
 def _events(app: SchedulerApplication, until: Until) -> Iterator[tuple[int, Any]]:

@@ -35,6 +35,7 @@ from projections.assignments import (
     PostgresAssignmentsView,
     SQLiteAssignmentsView,
 )
+from projections.event_decoder import EventDecoder
 from projections.notification_reader import gc_paused, read_pages
 from projections.row_changes import NetChanges
 from projections.runner_snapshots import (
@@ -148,7 +149,7 @@ class ReadModels:
         while this one is decoded."""
         if after >= end:
             return
-        mapper = self.app.mapper
+        decode = EventDecoder(self.app.mapper)
         events: list[tuple[int, str, Any]] = []
         size = min(page_size, READ_CHUNK)
         for chunk in read_pages(
@@ -160,7 +161,7 @@ class ReadModels:
             first_page_size=min(size, PAGE),
             read_ahead=True,
         ):
-            events += [(n.id, n.topic, mapper.to_domain_event(n)) for n in chunk]
+            events += [(n.id, n.topic, decode(n)) for n in chunk]
             if len(events) >= page_size:
                 yield events, events[-1][0]
                 events = []

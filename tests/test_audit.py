@@ -8,7 +8,6 @@ from typing import Any
 from uuid import UUID
 
 import pytest
-from eventsourcing.persistence import MapperDeserialisationError, Notification
 from typer.testing import CliRunner
 
 from domain import HomeRunnerUnavailableError, NoCompatibleRunnerError
@@ -16,9 +15,8 @@ from domain.ids import runner_uuid, sandbox_uuid
 from domain.runner import Runner
 from domain.sandbox import Sandbox
 from infrastructure import SchedulerApplication
-from infrastructure.audit import EventDecoder, explain, state_at, timeline, verify
+from infrastructure.audit import explain, state_at, timeline, verify
 from infrastructure.cli import cli
-from projections.notification_reader import read_pages
 from tests.conftest import Clock
 from tests.factories import (
     CAPABILITIES,
@@ -351,21 +349,3 @@ def test_a_clean_history_from_simulate_verifies(postgres_schema: Any, tmp_path: 
             assert report.events == app.event_count()
         finally:
             app.close()
-
-
-def test_the_replay_decoder_decodes_as_the_mapper(history: SchedulerApplication) -> None:
-    decode = EventDecoder(history.mapper)
-    assert decode.lean
-    notifications = [n for page in read_pages(history.recorder) for n in page]
-    assert notifications
-    for notification in notifications:
-        lean, usual = decode(notification), history.mapper.to_domain_event(notification)
-        assert type(lean) is type(usual)
-        assert vars(lean) == vars(usual)
-    broken = notifications[0]
-    garbled = Notification(
-        id=broken.id, originator_id=broken.originator_id,
-        originator_version=broken.originator_version, topic=broken.topic, state=b"{oops",
-    )  # fmt: skip
-    with pytest.raises(MapperDeserialisationError):
-        decode(garbled)
