@@ -113,12 +113,10 @@ class SandboxState:
     profile_revision_id: str
     requirements: dict[str, Any]
     home_runner_id: str
-    home_decision: dict[str, Any]
     generation: int = 1
     assignments: dict[int, dict[str, Any]] = field(default_factory=dict)
     tokens: set[str] = field(default_factory=set)
     fenced_at: dict[int, int] = field(default_factory=dict)
-    placements: dict[int, dict[str, Any]] = field(default_factory=dict)
     pinned: Requirements | None = None  # Requirements.from_record(requirements), cached
 
 
@@ -430,7 +428,6 @@ class AuditFold:
             profile_revision_id=event.profile_revision_id,
             requirements=dict(event.requirements),
             home_runner_id=event.home_runner_id,
-            home_decision=dict(event.home_decision),
         )
         self._enter(event.originator_id).sandbox = sandbox
         self.sandbox_streams[event.sandbox_id] = event.originator_id
@@ -486,7 +483,6 @@ class AuditFold:
         sandbox.assignments[generation] = record
         sandbox.tokens.add(record["fencing_token"])
         sandbox.fenced_at[generation] = self.position
-        sandbox.placements[generation] = dict(event.placement)
         self._owe(record["runner_id"], record["capacity"], +1)
         self.pending = Pending(
             "reserve", self.position, sandbox.sandbox_id, generation, record["runner_id"],
