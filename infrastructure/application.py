@@ -52,7 +52,7 @@ from domain.values import (
     require_text,
 )
 from infrastructure.event_log import count_events
-from infrastructure.fast_forward import fast_forward_pair
+from infrastructure.fast_forward import fast_forward_pair, load_uncached
 from infrastructure.settings import (
     DATABASE_URL,
     LEASE_RENEWAL_SECONDS,
@@ -174,6 +174,15 @@ class SchedulerApplication(Application[UUID]):
             aggregate: object = self.repository.get(aggregate_id, deepcopy_from_cache=copy)
         except AggregateNotFoundError:
             return None
+        assert isinstance(aggregate, kind)
+        return aggregate
+
+    def _load_one_query(self, aggregate_id: UUID, kind: type[A]) -> A | None:
+        """``_load`` (a copy), reading an uncached aggregate's snapshot and events with
+        one query where the store allows (:func:`infrastructure.fast_forward.load_uncached`)."""
+        aggregate = load_uncached(self, aggregate_id)
+        if aggregate is None:
+            return self._load(aggregate_id, kind)
         assert isinstance(aggregate, kind)
         return aggregate
 
@@ -484,7 +493,7 @@ class SchedulerApplication(Application[UUID]):
         request.ensure_valid()
 
         def attempt(number: int) -> tuple[DurableAssignment, bool]:
-            sandbox = self._load(sandbox_uuid(request.sandbox_id), Sandbox)
+            sandbox = self._load_one_query(sandbox_uuid(request.sandbox_id), Sandbox)
             if sandbox is None:
                 raise ProfileRevisionMismatchError(f"sandbox {request.sandbox_id!r} does not exist")
             sandbox.check_pinned(request)

@@ -103,3 +103,61 @@ def _select_after(
         cursor.execute(statement_text, params)
         rows = cursor.fetchall()
     return [StoredEvent(UUID(row[0]), row[1], row[2], row[3]) for row in rows]
+
+
+def load_uncached(app: Application[UUID], aggregate_id: UUID) -> Any | None:
+    """A deep copy of an aggregate that is not in the cache, reconstructed from its
+    latest snapshot and the events after it read with one query (the repository reads
+    the snapshot, then the events: two), and put in the cache as the repository does.
+    None when the aggregate is cached (the repository fast-forwards it with one query),
+    does not exist, or the store has no such query here."""
+    repository = app.repository
+    cache = repository.cache
+    snapshots = app.snapshots
+    if cache is None or snapshots is None:
+        return None
+    recorder = app.recorder
+    if not isinstance(recorder, PostgresAggregateRecorder) or not isinstance(
+        snapshots.recorder, PostgresAggregateRecorder
+    ):
+        return None
+    try:
+        cache.get(aggregate_id)
+    except KeyError:
+        pass
+    else:
+        return None
+    stored = _select_snapshot_and_events(recorder, snapshots.recorder, aggregate_id)
+    aggregate: Any = None
+    for event in stored:
+        domain_event: Any = app.mapper.to_domain_event(event)
+        aggregate = domain_event.mutate(aggregate)
+    if aggregate is None:
+        return None
+    cache.put(aggregate_id, aggregate)
+    return copy.deepcopy(aggregate)
+
+
+def _select_snapshot_and_events(
+    events: PostgresAggregateRecorder, snapshots: PostgresAggregateRecorder, aggregate_id: UUID
+) -> list[StoredEvent]:
+    statement = SQL(
+        "WITH snapshot AS (SELECT originator_version, topic, state FROM {schema}.{snapshots} "
+        "WHERE originator_id = %s ORDER BY originator_version DESC LIMIT 1) "
+        "SELECT 0 AS part, originator_version, topic, state FROM snapshot "
+        "UNION ALL SELECT 1, originator_version, topic, state FROM {schema}.{events} "
+        "WHERE originator_id = %s AND originator_version > "
+        "COALESCE((SELECT originator_version FROM snapshot), 0) "
+        "ORDER BY part, originator_version"
+    ).format(
+        schema=Identifier(events.datastore.schema),
+        snapshots=Identifier(snapshots.events_table_name),
+        events=Identifier(events.events_table_name),
+    )
+    with (
+        events.datastore.get_connection() as connection,
+        connection.cursor(row_factory=tuple_row, binary=True) as cursor,
+    ):
+        cursor.execute(statement, (aggregate_id, aggregate_id), prepare=True)
+        rows = cursor.fetchall()
+    return [StoredEvent(aggregate_id, row[1], row[2], row[3]) for row in rows]

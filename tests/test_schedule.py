@@ -361,3 +361,26 @@ def test_a_replica_with_cached_runner_and_lease_sees_other_replicas_changes(
     fenced = first.get_runner("r1")
     assert fenced.reserved.instances == 3
     assert assignment.runner_id == "r1"
+
+
+def test_a_replica_loads_a_long_sandbox_from_its_snapshot_and_later_events(
+    store: Store, clock: Clock
+) -> None:
+    """A sandbox past its snapshot interval, never loaded by this replica: schedule reads
+    the latest snapshot and the events after it (one query on PostgreSQL)."""
+    first = store.open()
+    register(first, "r1", at=clock())
+    create_sandbox(first, "s1")
+    generation = 1
+    for _ in range(8):  # 3 events per generation: fenced, released, advanced
+        request = schedule_request("s1", clock(), fencing_token=token())
+        first.schedule(request)
+        first.release("s1", generation, request.fencing_token, {"stopped": "yes"})
+        generation = first.advance_generation("s1", generation)
+    replica = store.open()
+    assignment, created = replica.schedule(schedule_request("s1", clock(), fencing_token=token()))
+    assert created
+    assert assignment.generation == generation == 9
+    assert replica.get_runner("r1").reserved.instances == 1
+    assert replica.snapshots is not None
+    assert list(replica.snapshots.get(sandbox_uuid("s1"))), "the sandbox has a snapshot"
