@@ -24,7 +24,8 @@ from projections.event_decoder import EventDecoder
 from projections.notification_reader import gc_paused, read_pages
 from projections.read_models import RebuildReport, read_raw
 
-PAGE = 1000
+PAGE = 1000  # progress is reported every PAGE events
+READ_PAGE = 5000  # notifications per query (the next page is read ahead)
 Until = int | datetime | None
 
 
@@ -48,7 +49,10 @@ def _events(app: SchedulerApplication, until: Until) -> Iterator[tuple[int, Any]
     stop = until if isinstance(until, int) else None
     after_time = until if isinstance(until, datetime) else None
     decode = EventDecoder(app.mapper)
-    for page in read_pages(app.recorder, until=stop, page_size=PAGE, read_ahead=True):
+    pages = read_pages(
+        app.recorder, until=stop, page_size=READ_PAGE, first_page_size=PAGE, read_ahead=True
+    )
+    for page in pages:
         for notification in page:
             event: Any = decode(notification)
             if after_time is not None and event.timestamp > after_time:
