@@ -904,6 +904,9 @@ class FleetSimulation:
         if isinstance(error, PlacementError):
             for evaluation in error.evaluations:
                 self.reasons[operation].update(evaluation.reason_codes)
+            for key, count in error.unlisted.reasons.items():  # refused without a record
+                if count:
+                    self.reasons[operation][key] += count
 
     # -- sandbox steps ---------------------------------------------------------
 
