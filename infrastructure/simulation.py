@@ -62,7 +62,7 @@ from domain.errors import (
     SchedulerError,
     StaleFenceError,
 )
-from domain.placement import REASON_CODES
+from domain.placement import REASON_CODES, reason_keys
 from domain.reconcile import ACTION_DEADLINE_EXCEEDED, ACTIONS, ReconcileDecision, decide_reconcile
 from domain.values import (
     Capacity,
@@ -902,8 +902,8 @@ class FleetSimulation:
     def refused(self, operation: str, error: SchedulerError) -> None:
         self.refusals[operation][type(error).__name__] += 1
         if isinstance(error, PlacementError):
-            for evaluation in error.evaluations:
-                self.reasons[operation].update(evaluation.reason_codes)
+            for evaluation in error.evaluations:  # keys as the unlisted counts name them
+                self.reasons[operation].update(reason_keys(evaluation))
             for key, count in error.unlisted.reasons.items():  # refused without a record
                 if count:
                     self.reasons[operation][key] += count
