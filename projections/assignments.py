@@ -12,9 +12,6 @@ from datetime import datetime
 from functools import singledispatchmethod
 from typing import Any
 
-from eventsourcing.persistence import Tracking
-from eventsourcing.projection import Projection
-
 from domain.assignment import STATE_RELEASED
 from domain.sandbox import Sandbox
 from domain.values import Capacity, DurableAssignment
@@ -22,6 +19,7 @@ from projections.row_changes import Insert, RowChange, Update
 from projections.sql_view import (
     PostgresSqlView,
     SQLiteSqlView,
+    SqlProjection,
     SqlView,
     text_time,
     time_text,
@@ -139,7 +137,7 @@ def _update(event: Any, **columns: Any) -> Update:
     )
 
 
-class AssignmentsProjection(Projection[AssignmentsView]):
+class AssignmentsProjection(SqlProjection[AssignmentsView]):
     """Folds Sandbox events into assignment rows."""
 
     name = "assignments"
@@ -199,6 +197,3 @@ class AssignmentsProjection(Projection[AssignmentsView]):
     @changes.register
     def _(self, event: Sandbox.ReconcileClaimReleased) -> list[RowChange]:
         return [_update(event, reconcile_owner="", reconcile_claim_expires_at=None)]
-
-    def process_event(self, domain_event: Any, tracking: Tracking) -> None:
-        self.view.apply(self.changes(domain_event), tracking)

@@ -13,9 +13,6 @@ from datetime import datetime
 from functools import singledispatchmethod
 from typing import Any, ClassVar
 
-from eventsourcing.persistence import Tracking
-from eventsourcing.projection import Projection
-
 from domain.ids import lease_uuid
 from domain.lease import RunnerLease
 from domain.placement import (
@@ -40,6 +37,7 @@ from projections.row_changes import Insert, RowChange, Update
 from projections.sql_view import (
     PostgresSqlView,
     SQLiteSqlView,
+    SqlProjection,
     SqlView,
     text_time,
     time_text,
@@ -340,7 +338,7 @@ def _lease_update(event: Any, **columns: Any) -> Update:
     )
 
 
-class RunnerSnapshotsProjection(Projection[RunnerSnapshotsView]):
+class RunnerSnapshotsProjection(SqlProjection[RunnerSnapshotsView]):
     """Folds Runner and RunnerLease events into runner snapshot rows."""
 
     name = "runner_snapshots"
@@ -418,9 +416,6 @@ class RunnerSnapshotsProjection(Projection[RunnerSnapshotsView]):
                 materializations=[dict(item) for item in event.materializations],
             )
         ]
-
-    def process_event(self, domain_event: Any, tracking: Tracking) -> None:
-        self.view.apply(self.changes(domain_event), tracking)
 
 
 def _capacity_delta(event: Any, capacity: dict[str, int], sign: int) -> Update:

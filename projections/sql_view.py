@@ -21,10 +21,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from datetime import UTC, datetime
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from eventsourcing.persistence import IntegrityError, Tracking, TrackingRecorder
 from eventsourcing.postgres import PostgresDatastore, PostgresTrackingRecorder
+from eventsourcing.projection import Projection
 from eventsourcing.sqlite import SQLiteDatastore, SQLiteTrackingRecorder
 from psycopg.sql import SQL, Composable, Composed, Identifier
 
@@ -157,10 +158,14 @@ class SqlView(TrackingRecorder):
             cursor.execute(self._sql(self._format(sql)), tuple(params))
             return [dict(row) for row in cursor.fetchall()]
 
+    # How ``clear`` empties the table; PostgreSQL truncates instead, so that a rebuild
+    # fills fresh tables and indexes, not ones full of dead rows.
+    clear_rows: ClassVar[str] = "DELETE FROM {table}"
+
     def clear(self, application_name: str) -> None:
         """Delete every row and the tracking position (before a rebuild)."""
         with self.datastore.transaction(commit=True) as cursor:  # type: ignore[attr-defined]
-            cursor.execute(self._sql(self._format("DELETE FROM {table}")), ())
+            cursor.execute(self._sql(self._format(self.clear_rows)), ())
             cursor.execute(
                 self._sql(f"DELETE FROM {self._tracking_name()} WHERE application_name = %s"),
                 (application_name,),
@@ -168,6 +173,22 @@ class SqlView(TrackingRecorder):
 
     def _tracking_name(self) -> str:
         raise NotImplementedError
+
+
+TView = TypeVar("TView", bound=SqlView)
+
+
+class SqlProjection(Projection[TView]):
+    """A projection whose handlers (``changes``, a ``singledispatchmethod`` in each
+    subclass) turn an event into row changes of its :class:`SqlView`. The live runner
+    (``projections run``) applies one event's changes per transaction; catch-up and
+    rebuild call the handlers directly and fold a batch (``projections.read_models``)."""
+
+    def changes(self, event: Any) -> list[RowChange]:
+        raise NotImplementedError
+
+    def process_event(self, domain_event: Any, tracking: Tracking) -> None:
+        self.view.apply(self.changes(domain_event), tracking)
 
 
 class SQLiteSqlView(SqlView, SQLiteTrackingRecorder):
@@ -223,6 +244,8 @@ class SQLiteSqlView(SqlView, SQLiteTrackingRecorder):
 class PostgresSqlView(SqlView, PostgresTrackingRecorder):
     """PostgreSQL flavour: tables in the application's schema."""
 
+    clear_rows = "TRUNCATE {table}"
+
     def __init__(self, datastore: PostgresDatastore, **kwargs: Any) -> None:
         kwargs.setdefault("tracking_table_name", f"{self.projection_name}_tracking")
         super().__init__(datastore, **kwargs)
@@ -252,16 +275,6 @@ class PostgresSqlView(SqlView, PostgresTrackingRecorder):
     def _commit_asynchronously(self, cursor: Any) -> None:
         cursor.execute(SQL("SET LOCAL synchronous_commit TO OFF"))
 
-    def clear(self, application_name: str) -> None:
-        """TRUNCATE rather than DELETE: a rebuild then fills fresh tables and indexes,
-        not ones full of dead rows."""
-        with self.datastore.transaction(commit=True) as cursor:
-            cursor.execute(SQL(self._format("TRUNCATE {table}")))
-            cursor.execute(
-                SQL(f"DELETE FROM {self._tracking_name()} WHERE application_name = %s"),
-                (application_name,),
-            )
-
     def _insert_rows(
         self, cursor: Any, columns: tuple[str, ...], rows: list[tuple[Any, ...]]
     ) -> None:
@@ -278,6 +291,7 @@ __all__ = [
     "Identifier",
     "PostgresSqlView",
     "SQLiteSqlView",
+    "SqlProjection",
     "SqlView",
     "text_time",
     "time_text",
