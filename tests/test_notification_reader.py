@@ -8,7 +8,7 @@ from eventsourcing.persistence import Notification
 
 from infrastructure import SchedulerApplication
 from projections.notification_reader import read_pages
-from tests.conftest import Clock
+from tests.conftest import Clock, Store
 from tests.factories import create_sandbox, register, schedule_request
 
 
@@ -51,10 +51,17 @@ def test_pages_equal_the_recorders_notifications(app: SchedulerApplication, cloc
             assert [n for page in pages for n in page] == expected
 
 
-def test_closing_early_leaves_no_reader_thread(app: SchedulerApplication, clock: Clock) -> None:
+def _readers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("read-ahead")]
+
+
+def test_read_ahead_thread_runs_on_postgres_and_ends_when_closed_early(
+    app: SchedulerApplication, clock: Clock, store: Store
+) -> None:
     for runner_id in ("r1", "r2", "r3"):
         register(app, runner_id, at=clock())
     pages = read_pages(app.recorder, page_size=1, read_ahead=True)
     assert len(next(pages)) == 1
+    assert bool(_readers()) == (store.kind == "postgres")  # SQLite reads in line
     pages.close()
-    assert not [t for t in threading.enumerate() if t.name.startswith("read-ahead")]
+    assert not _readers()
