@@ -121,6 +121,7 @@ class ReadModels:
             for name, projection in self.projections.items()
         }
         self.topics = tuple(sorted(frozenset().union(*self._topics_of.values())))
+        self._decode = EventDecoder(app.mapper)  # learns each topic once, for every catch-up
         self._lock = threading.Lock()
 
     @property
@@ -149,7 +150,7 @@ class ReadModels:
         while this one is decoded."""
         if after >= end:
             return
-        decode = EventDecoder(self.app.mapper)
+        decode = self._decode
         events: list[tuple[int, str, Any]] = []
         size = min(page_size, READ_CHUNK)
         for chunk in read_pages(
