@@ -131,6 +131,7 @@ class _Stream:
         self.sandbox: SandboxState | None = None
 
 
+_NO_STREAM = _Stream()  # never written: what _of returns for an unknown stream
 _ZERO: dict[str, int] = dict.fromkeys(DIMENSIONS, 0)  # never mutated
 
 
@@ -150,17 +151,14 @@ class AuditFold:
     """Replays events in log order into plain state and reports every broken promise."""
 
     def __init__(self) -> None:
-        self.runners: dict[UUID, RunnerState] = {}
         self.runner_streams: dict[str, UUID] = {}
-        self.leases: dict[UUID, LeaseState] = {}
         self.lease_of: dict[str, UUID] = {}
-        self.sandboxes: dict[UUID, SandboxState] = {}
         self.sandbox_streams: dict[str, UUID] = {}
         self.refusals: dict[str, list[dict[str, Any]]] = {}
         self.owed: dict[str, dict[str, int]] = {}  # unreleased assignments' capacity by runner
         self.violations: list[Violation] = []
         self._current: Any = None
-        self._streams: dict[UUID, _Stream] = {}
+        self._streams: dict[UUID, _Stream] = {}  # every aggregate's state, by stream id
         self._stream: _Stream | None = None  # the current event's
         self._names: dict[type[Any], tuple[str, str]] = {}
         self.pending: Pending | None = None
@@ -244,6 +242,11 @@ class AuditFold:
             Violation(self.position, f"{names[1]} {label}", names[0], rule, detail)
         )
 
+    def _of(self, stream_id: UUID | None) -> _Stream:
+        """The state of a stream named by an index (empty when there is none)."""
+        stream = self._streams.get(stream_id) if stream_id is not None else None
+        return stream if stream is not None else _NO_STREAM
+
     def _enter(self, stream_id: UUID) -> _Stream:
         """The current event's stream entry, created for an aggregate's first event."""
         stream = self._streams.get(stream_id)
@@ -273,7 +276,7 @@ class AuditFold:
     # -- runners --------------------------------------------------------------
 
     def _registered(self, event: Any) -> None:
-        runner = self.runners[event.originator_id] = RunnerState(
+        runner = RunnerState(
             runner_id=event.runner_id,
             pool_name=event.pool_name,
             backend_kind=event.backend_kind,
@@ -403,7 +406,6 @@ class AuditFold:
     def _lease_opened(self, event: Any) -> None:
         lease = LeaseState(event.runner_id)
         lease.history[1] = (None, [], [])
-        self.leases[event.originator_id] = lease
         self._enter(event.originator_id).lease = lease
         self.lease_of[event.runner_id] = event.originator_id
 
@@ -422,7 +424,7 @@ class AuditFold:
     # -- sandboxes ------------------------------------------------------------
 
     def _sandbox_created(self, event: Any) -> None:
-        sandbox = self.sandboxes[event.originator_id] = SandboxState(
+        sandbox = SandboxState(
             sandbox_id=event.sandbox_id,
             workspace_id=event.workspace_id,
             profile_revision_id=event.profile_revision_id,
@@ -510,8 +512,7 @@ class AuditFold:
             self._violate("invariant-4", f"runner {runner_id!r} was not compatible: {reasons}")
         if record["capacity"] != requirements.capacity.as_dict():
             self._violate("invariant-4", "reserved capacity differs from the pinned requirements")
-        stream = self.runner_streams.get(runner_id)
-        runner = self.runners.get(stream) if stream else None
+        runner = self._of(self.runner_streams.get(runner_id)).runner
         if runner is None:
             self._violate("invariant-4", f"runner {runner_id!r} is not registered")
             return
@@ -547,8 +548,7 @@ class AuditFold:
                 f"evidence of runner version {placement.get('runner_version')} but the runner "
                 f"was at {runner.version}",
             )
-        lease_stream = self.lease_of.get(runner_id)
-        lease = self.leases.get(lease_stream) if lease_stream else None
+        lease = self._of(self.lease_of.get(runner_id)).lease
         if lease is None:
             self._violate("invariant-4", f"runner {runner_id!r} has no lease")
             return
@@ -643,11 +643,11 @@ class AuditFold:
 
     def runner_snapshots(self) -> list[RunnerSnapshot]:
         snapshots = []
-        for runner in sorted(self.runners.values(), key=lambda r: r.runner_id):
+        runners = [s.runner for s in self._streams.values() if s.runner is not None]
+        for runner in sorted(runners, key=lambda r: r.runner_id):
             if runner.deregistered:
                 continue
-            lease_stream = self.lease_of.get(runner.runner_id)
-            lease = self.leases.get(lease_stream) if lease_stream else None
+            lease = self._of(self.lease_of.get(runner.runner_id)).lease
             snapshots.append(
                 RunnerSnapshot.model_construct(
                     id=runner.runner_id,
@@ -674,7 +674,8 @@ class AuditFold:
 
     def assignment_records(self) -> list[dict[str, Any]]:
         records = []
-        for sandbox in sorted(self.sandboxes.values(), key=lambda s: s.sandbox_id):
+        sandboxes = [s.sandbox for s in self._streams.values() if s.sandbox is not None]
+        for sandbox in sorted(sandboxes, key=lambda s: s.sandbox_id):
             for generation in sorted(sandbox.assignments):
                 records.append(sandbox.assignments[generation])
         return records
