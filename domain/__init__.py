@@ -3,7 +3,7 @@
 Pure: no I/O, no clock reads, no database imports. Times come in as arguments.
 """
 
-from domain.errors import (
+from secondbox_scheduler.domain.errors import (
     EgressContextUnavailableError,
     HomeRunnerUnavailableError,
     InvalidRequestError,
@@ -13,8 +13,8 @@ from domain.errors import (
     SerializationContentionError,
     StaleFenceError,
 )
-from domain.placement import select_home_runner, select_runner
-from domain.values import (
+from secondbox_scheduler.domain.placement import select_home_runner, select_runner
+from secondbox_scheduler.domain.values import (
     DRAIN_PHASE_ACTIVE,
     DRAIN_PHASE_DRAINING,
     Capacity,
@@ -45,3 +45,6 @@ __all__ = [
     "select_home_runner",
     "select_runner",
 ]
+
+# Histories of earlier releases name classes by their former module paths.
+from secondbox_scheduler.domain import event_topics as _event_topics  # noqa: F401

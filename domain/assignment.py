@@ -11,8 +11,13 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from domain.errors import InvalidRequestError
-from domain.values import Capacity, DurableAssignment, RunnerSnapshot, ScheduleRequest
+from secondbox_scheduler.domain.errors import InvalidRequestError
+from secondbox_scheduler.domain.values import (
+    Capacity,
+    DurableAssignment,
+    RunnerSnapshot,
+    ScheduleRequest,
+)
 
 STATE_ASSIGNED = "assigned"
 STATE_RUNNING = "running"

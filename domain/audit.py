@@ -24,12 +24,12 @@ from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
-from domain.lease import RunnerLease
-from domain.placement import checked_dimensions, evaluate_runner
-from domain.refusals import RefusalLog
-from domain.runner import Runner
-from domain.sandbox import Sandbox
-from domain.values import (
+from secondbox_scheduler.domain.lease import RunnerLease
+from secondbox_scheduler.domain.placement import checked_dimensions, evaluate_runner
+from secondbox_scheduler.domain.refusals import RefusalLog
+from secondbox_scheduler.domain.runner import Runner
+from secondbox_scheduler.domain.sandbox import Sandbox
+from secondbox_scheduler.domain.values import (
     DRAIN_PHASE_ACTIVE,
     DRAIN_PHASE_DRAINING,
     Capacity,

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from domain.placement import RunnerEvaluation, Unlisted
+    from secondbox_scheduler.domain.placement import RunnerEvaluation, Unlisted
 
 
 class SchedulerError(Exception):
@@ -42,7 +42,7 @@ class PlacementError(SchedulerError):
         *,
         unlisted: Unlisted | None = None,
     ) -> None:
-        from domain.placement import Unlisted, summarize_refusals
+        from secondbox_scheduler.domain.placement import Unlisted, summarize_refusals
 
         self.evaluations = tuple(evaluations)
         self.unlisted = unlisted or Unlisted()  # runners refused without a record, counted

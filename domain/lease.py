@@ -20,8 +20,8 @@ from typing import Any
 
 from eventsourcing.domain import Aggregate
 
-from domain.ids import lease_uuid
-from domain.values import MaterializationSnapshot
+from secondbox_scheduler.domain.ids import lease_uuid
+from secondbox_scheduler.domain.values import MaterializationSnapshot
 
 OBSERVED_STALE = "stale"  # older than the last recorded heartbeat
 OBSERVED_COALESCED = "coalesced"  # fresh, same evidence, within the renewal interval

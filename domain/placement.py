@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from domain.errors import (
+from secondbox_scheduler.domain.errors import (
     EgressContextUnavailableError,
     HomeRunnerUnavailableError,
     InvalidRequestError,
     NoCompatibleRunnerError,
     PlacementError,
 )
-from domain.values import (
+from secondbox_scheduler.domain.values import (
     DRAIN_PHASE_ACTIVE,
     Capacity,
     Requirements,

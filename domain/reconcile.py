@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from domain.assignment import STATE_ASSIGNED, STATE_RELEASED, STATE_RUNNING
-from domain.values import DurableAssignment, RunnerSnapshot
+from secondbox_scheduler.domain.assignment import STATE_ASSIGNED, STATE_RELEASED, STATE_RUNNING
+from secondbox_scheduler.domain.values import DurableAssignment, RunnerSnapshot
 
 ACTION_NONE = "none"
 ACTION_DEADLINE_EXCEEDED = "deadline_exceeded"

@@ -19,16 +19,16 @@ from typing import Any
 
 from eventsourcing.domain import Aggregate
 
-from domain.errors import (
+from secondbox_scheduler.domain.errors import (
     CapacityExceededError,
     ConflictError,
     InvalidRequestError,
     RunnerUnavailableError,
 )
-from domain.ids import runner_uuid
-from domain.lease import RunnerLease
-from domain.placement import capacity_shortfall, checked_dimensions
-from domain.values import (
+from secondbox_scheduler.domain.ids import runner_uuid
+from secondbox_scheduler.domain.lease import RunnerLease
+from secondbox_scheduler.domain.placement import capacity_shortfall, checked_dimensions
+from secondbox_scheduler.domain.values import (
     DRAIN_PHASE_ACTIVE,
     DRAIN_PHASE_DRAINING,
     Capacity,

@@ -16,7 +16,7 @@ from typing import Any
 
 from eventsourcing.domain import Aggregate
 
-from domain.assignment import (
+from secondbox_scheduler.domain.assignment import (
     CAN_FAIL,
     STATE_ASSIGNED,
     STATE_FAILED,
@@ -27,7 +27,7 @@ from domain.assignment import (
     new_assignment_record,
     require_failure_class,
 )
-from domain.errors import (
+from secondbox_scheduler.domain.errors import (
     AlreadyExistsError,
     AssignmentNotFoundError,
     HomeRunnerUnavailableError,
@@ -38,8 +38,8 @@ from domain.errors import (
     ReleaseProofError,
     StaleFenceError,
 )
-from domain.ids import sandbox_uuid
-from domain.placement import (
+from secondbox_scheduler.domain.ids import sandbox_uuid
+from secondbox_scheduler.domain.placement import (
     PlacementDecision,
     Unlisted,
     bounded_evidence,
@@ -48,8 +48,13 @@ from domain.placement import (
     refusal,
     select_home_runner,
 )
-from domain.reconcile import ACTION_DEADLINE_EXCEEDED, ACTION_NONE, ACTION_UNCERTAIN, ACTIONS
-from domain.values import Requirements, RunnerSnapshot, ScheduleRequest
+from secondbox_scheduler.domain.reconcile import (
+    ACTION_DEADLINE_EXCEEDED,
+    ACTION_NONE,
+    ACTION_UNCERTAIN,
+    ACTIONS,
+)
+from secondbox_scheduler.domain.values import Requirements, RunnerSnapshot, ScheduleRequest
 
 
 def decision_record(

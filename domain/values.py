@@ -30,7 +30,7 @@ from pydantic import (
     ValidationError,
 )
 
-from domain.errors import InvalidRequestError
+from secondbox_scheduler.domain.errors import InvalidRequestError
 
 DRAIN_PHASE_ACTIVE = "active"
 DRAIN_PHASE_DRAINING = "draining"

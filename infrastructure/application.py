@@ -22,8 +22,8 @@ from eventsourcing.application import AggregateNotFoundError, Application
 from eventsourcing.persistence import IntegrityError
 from eventsourcing.utils import EnvType
 
-from domain.assignment import to_durable_assignment
-from domain.errors import (
+from secondbox_scheduler.domain.assignment import to_durable_assignment
+from secondbox_scheduler.domain.errors import (
     AlreadyExistsError,
     HomeRunnerUnavailableError,
     InvalidRequestError,
@@ -33,14 +33,14 @@ from domain.errors import (
     SandboxNotFoundError,
     SerializationContentionError,
 )
-from domain.ids import lease_uuid, refusal_log_uuid, runner_uuid, sandbox_uuid
-from domain.lease import RunnerLease
-from domain.placement import Unlisted, decide, rank_key
-from domain.reconcile import ReconcileDecision
-from domain.refusals import OPERATION_CREATE, OPERATION_SCHEDULE, RefusalLog
-from domain.runner import Runner
-from domain.sandbox import Sandbox
-from domain.values import (
+from secondbox_scheduler.domain.ids import lease_uuid, refusal_log_uuid, runner_uuid, sandbox_uuid
+from secondbox_scheduler.domain.lease import RunnerLease
+from secondbox_scheduler.domain.placement import Unlisted, decide, rank_key
+from secondbox_scheduler.domain.reconcile import ReconcileDecision
+from secondbox_scheduler.domain.refusals import OPERATION_CREATE, OPERATION_SCHEDULE, RefusalLog
+from secondbox_scheduler.domain.runner import Runner
+from secondbox_scheduler.domain.sandbox import Sandbox
+from secondbox_scheduler.domain.values import (
     Capacity,
     DurableAssignment,
     MaterializationSnapshot,
@@ -51,16 +51,16 @@ from domain.values import (
     require_string_map,
     require_text,
 )
-from infrastructure.event_log import count_events
-from infrastructure.fast_forward import fast_forward_pair, load_uncached
-from infrastructure.settings import (
+from secondbox_scheduler.infrastructure.event_log import count_events
+from secondbox_scheduler.infrastructure.fast_forward import fast_forward_pair, load_uncached
+from secondbox_scheduler.infrastructure.settings import (
     DATABASE_URL,
     LEASE_RENEWAL_SECONDS,
     READ_MODELS,
     settings_from_url,
 )
-from projections.read_models import ReadModels, supports_read_models
-from projections.runner_index import RunnerIndex
+from secondbox_scheduler.projections.read_models import ReadModels, supports_read_models
+from secondbox_scheduler.projections.runner_index import RunnerIndex
 
 T = TypeVar("T")
 A = TypeVar("A")

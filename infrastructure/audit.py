@@ -13,16 +13,20 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from domain.assignment import to_durable_assignment
-from domain.audit import AuditFold, Violation
-from domain.errors import InvalidRequestError, RunnerNotFoundError, SandboxNotFoundError
-from domain.ids import lease_uuid, refusal_log_uuid, runner_uuid, sandbox_uuid
-from domain.placement import RunnerEvaluation, Unlisted, summarize_refusals
-from domain.values import DurableAssignment, RunnerSnapshot
-from infrastructure.application import SchedulerApplication
-from projections.event_decoder import EventDecoder
-from projections.notification_reader import gc_paused, read_pages
-from projections.read_models import RebuildReport, read_raw
+from secondbox_scheduler.domain.assignment import to_durable_assignment
+from secondbox_scheduler.domain.audit import AuditFold, Violation
+from secondbox_scheduler.domain.errors import (
+    InvalidRequestError,
+    RunnerNotFoundError,
+    SandboxNotFoundError,
+)
+from secondbox_scheduler.domain.ids import lease_uuid, refusal_log_uuid, runner_uuid, sandbox_uuid
+from secondbox_scheduler.domain.placement import RunnerEvaluation, Unlisted, summarize_refusals
+from secondbox_scheduler.domain.values import DurableAssignment, RunnerSnapshot
+from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.projections.event_decoder import EventDecoder
+from secondbox_scheduler.projections.notification_reader import gc_paused, read_pages
+from secondbox_scheduler.projections.read_models import RebuildReport, read_raw
 
 PAGE = 1000  # progress is reported every PAGE events
 READ_PAGE = 5000  # notifications per query (the next page is read ahead)

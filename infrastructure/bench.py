@@ -50,9 +50,9 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from domain.placement import select_runner
-from infrastructure.application import SchedulerApplication
-from infrastructure.bench_fleet import (
+from secondbox_scheduler.domain.placement import select_runner
+from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.bench_fleet import (
     HEARTBEAT_TIMEOUT,
     PROFILE,
     FleetRunner,
@@ -63,7 +63,7 @@ from infrastructure.bench_fleet import (
     runner_snapshots,
     varied_fleet,
 )
-from infrastructure.bench_workers import (
+from secondbox_scheduler.infrastructure.bench_workers import (
     BenchError,
     RawBaseline,
     RawJob,
@@ -72,7 +72,7 @@ from infrastructure.bench_workers import (
     raw_env,
     summarize,
 )
-from infrastructure.settings import DATABASE_URL, settings_from_url
+from secondbox_scheduler.infrastructure.settings import DATABASE_URL, settings_from_url
 
 SECTIONS = ("raw", "placement", "contention", "selection", "history", "replay")
 HOT_RUNNERS = 4
@@ -522,8 +522,8 @@ def measure_selection(
 
 
 def measure_replay(app: SchedulerApplication, progress: Progress) -> dict[str, Any]:
-    from infrastructure.audit import verify
-    from projections.read_models import rebuild
+    from secondbox_scheduler.infrastructure.audit import verify
+    from secondbox_scheduler.projections.read_models import rebuild
 
     if app.read_models is None:
         raise BenchError("replay needs read models (SQLite or PostgreSQL)")
@@ -546,7 +546,7 @@ def measure_replay(app: SchedulerApplication, progress: Progress) -> dict[str, A
 def measure_history_section(
     env: dict[str, str], settings: BenchSettings, progress: Progress
 ) -> dict[str, Any]:
-    from infrastructure.history_benchmark import measure_history
+    from secondbox_scheduler.infrastructure.history_benchmark import measure_history
 
     rows = measure_history(env, settings.history_sizes, settings.history_repeat, progress)
     return {"rows": [row.to_dict() for row in rows]}

@@ -21,17 +21,17 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
-from domain.lease import RunnerLease
-from domain.runner import Runner
-from domain.sandbox import Sandbox
-from domain.values import (
+from secondbox_scheduler.domain.lease import RunnerLease
+from secondbox_scheduler.domain.runner import Runner
+from secondbox_scheduler.domain.sandbox import Sandbox
+from secondbox_scheduler.domain.values import (
     Capacity,
     MaterializationSnapshot,
     Requirements,
     RunnerSnapshot,
     ScheduleRequest,
 )
-from infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.application import SchedulerApplication
 
 T = TypeVar("T")
 

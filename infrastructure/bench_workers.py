@@ -34,14 +34,14 @@ from uuid import UUID
 from eventsourcing.application import Application
 from eventsourcing.domain import Aggregate
 
-from domain.errors import (
+from secondbox_scheduler.domain.errors import (
     HomeRunnerUnavailableError,
     SchedulerError,
     SerializationContentionError,
 )
-from domain.ids import lease_uuid, runner_uuid
-from infrastructure.bench_fleet import bench_requirements, schedule_request
-from infrastructure.settings import DATABASE_URL, settings_from_url
+from secondbox_scheduler.domain.ids import lease_uuid, runner_uuid
+from secondbox_scheduler.infrastructure.bench_fleet import bench_requirements, schedule_request
+from secondbox_scheduler.infrastructure.settings import DATABASE_URL, settings_from_url
 
 PAYLOAD = "x" * 256  # the raw event's payload: a small event, as a placement's are a few KB
 WARM_UP_SAVES = 3
@@ -205,7 +205,7 @@ def _run_raw(index: int, job: RawJob, state: _WorkerState, barrier: Barrier) -> 
 def _run_schedule(
     index: int, job: ScheduleJob, state: _WorkerState, barrier: Barrier
 ) -> WorkerResult:
-    from infrastructure.application import SchedulerApplication
+    from secondbox_scheduler.infrastructure.application import SchedulerApplication
 
     prepared = time.perf_counter()
     app = state.app(SchedulerApplication, job.env)

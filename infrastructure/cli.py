@@ -32,16 +32,16 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from domain.errors import SchedulerError
-from domain.values import DurableAssignment, RunnerSnapshot
-from infrastructure.application import SchedulerApplication
-from infrastructure.settings import (
+from secondbox_scheduler.domain.errors import SchedulerError
+from secondbox_scheduler.domain.values import DurableAssignment, RunnerSnapshot
+from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.settings import (
     DATABASE_URL,
     DEFAULT_SQLITE_URL,
     POSTGRES_MODULE,
     settings_from_url,
 )
-from infrastructure.simulation import (
+from secondbox_scheduler.infrastructure.simulation import (
     ATTEMPTS_PER_CYCLE,
     HEARTBEAT_TIMEOUT,
     DimensionUse,
@@ -50,7 +50,7 @@ from infrastructure.simulation import (
     run_simulation,
     sqlite_path,
 )
-from projections.read_models import (
+from secondbox_scheduler.projections.read_models import (
     ProjectionStatus,
     ReadModels,
     projection_runners,
@@ -802,7 +802,7 @@ def audit_verify(
     until: UntilOption = None,
     as_json: JsonOutput = False,
 ) -> None:
-    from infrastructure.audit import parse_until, verify
+    from secondbox_scheduler.infrastructure.audit import parse_until, verify
 
     with _reported_errors(), _store_errors(database_url):
         app = _open_store(database_url)
@@ -847,7 +847,7 @@ def audit_state(
     database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
     as_json: JsonOutput = False,
 ) -> None:
-    from infrastructure.audit import parse_until, state_at
+    from secondbox_scheduler.infrastructure.audit import parse_until, state_at
 
     with _reported_errors(), _store_errors(database_url):
         app = _open_store(database_url)
@@ -881,7 +881,7 @@ def audit_timeline(
     database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
     as_json: JsonOutput = False,
 ) -> None:
-    from infrastructure.audit import timeline
+    from secondbox_scheduler.infrastructure.audit import timeline
 
     if (sandbox is None) == (runner is None):
         raise typer.BadParameter("give exactly one of --sandbox ID or --runner ID")
@@ -923,7 +923,7 @@ def audit_explain(
     database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
     as_json: JsonOutput = False,
 ) -> None:
-    from infrastructure.audit import explain
+    from secondbox_scheduler.infrastructure.audit import explain
 
     with _reported_errors(), _store_errors(database_url):
         app = _open_store(database_url)
@@ -996,7 +996,7 @@ def verify_command(
 ) -> None:
     from pathlib import Path
 
-    from infrastructure.verify import VerifyConfig, run_verify
+    from secondbox_scheduler.infrastructure.verify import VerifyConfig, run_verify
 
     err = Console(stderr=True, highlight=False)
     config = VerifyConfig(
@@ -1070,7 +1070,7 @@ def reconcile(
     ] = 1.0,
     as_json: JsonOutput = False,
 ) -> None:
-    from infrastructure.reconciler import Reconciler
+    from secondbox_scheduler.infrastructure.reconciler import Reconciler
 
     with _reported_errors(), _store_errors(database_url):
         app = _open_store(database_url)
@@ -1208,9 +1208,9 @@ def bench(
 ) -> None:
     if ctx.invoked_subcommand is not None:
         return
-    from infrastructure.bench import SECTIONS, BenchSettings, run_bench
-    from infrastructure.bench_report import print_report
-    from infrastructure.bench_workers import BenchError
+    from secondbox_scheduler.infrastructure.bench import SECTIONS, BenchSettings, run_bench
+    from secondbox_scheduler.infrastructure.bench_report import print_report
+    from secondbox_scheduler.infrastructure.bench_workers import BenchError
 
     sections = SECTIONS if only is None else tuple(p.strip() for p in only.split(",") if p.strip())
     unknown = sorted(set(sections) - set(SECTIONS))
@@ -1262,7 +1262,7 @@ def bench_history(
     repeat: Annotated[int, typer.Option("--repeat", min=1, help="Loads timed per figure.")] = 15,
     as_json: JsonOutput = False,
 ) -> None:
-    from infrastructure.history_benchmark import measure_history
+    from secondbox_scheduler.infrastructure.history_benchmark import measure_history
 
     try:
         wanted = [int(part) for part in sizes.split(",") if part.strip()]

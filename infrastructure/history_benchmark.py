@@ -24,10 +24,10 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID
 
-from domain.ids import runner_uuid
-from domain.runner import Runner
-from domain.values import Capacity
-from infrastructure.application import SchedulerApplication
+from secondbox_scheduler.domain.ids import runner_uuid
+from secondbox_scheduler.domain.runner import Runner
+from secondbox_scheduler.domain.values import Capacity
+from secondbox_scheduler.infrastructure.application import SchedulerApplication
 
 BATCH = 1000
 ONE = Capacity(vcpu_count=1, memory_bytes=1, disk_bytes=1, instances=1, operations=1)

@@ -13,10 +13,14 @@ from datetime import datetime
 from types import TracebackType
 from typing import Self
 
-from domain.errors import InvalidRequestError
-from domain.values import DurableAssignment, ScheduleRequest
-from infrastructure.application import SchedulerApplication
-from infrastructure.settings import DATABASE_URL, POSTGRES_MODULE, settings_from_url
+from secondbox_scheduler.domain.errors import InvalidRequestError
+from secondbox_scheduler.domain.values import DurableAssignment, ScheduleRequest
+from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.settings import (
+    DATABASE_URL,
+    POSTGRES_MODULE,
+    settings_from_url,
+)
 
 
 @dataclass(frozen=True)

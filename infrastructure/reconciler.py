@@ -21,16 +21,16 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from domain.errors import (
+from secondbox_scheduler.domain.errors import (
     AssignmentNotFoundError,
     ReconcileClaimError,
     RunnerNotFoundError,
     SchedulerError,
     StaleFenceError,
 )
-from domain.reconcile import decide_reconcile
-from domain.values import DurableAssignment
-from infrastructure.application import SchedulerApplication
+from secondbox_scheduler.domain.reconcile import decide_reconcile
+from secondbox_scheduler.domain.values import DurableAssignment
+from secondbox_scheduler.infrastructure.application import SchedulerApplication
 
 
 def default_owner() -> str:

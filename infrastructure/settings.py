@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from domain.errors import InvalidRequestError
+from secondbox_scheduler.domain.errors import InvalidRequestError
 
 DATABASE_URL = "SECONDBOX_DATABASE_URL"
 LEASE_RENEWAL_SECONDS = "SECONDBOX_LEASE_RENEWAL_SECONDS"

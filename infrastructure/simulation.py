@@ -48,23 +48,28 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from domain.assignment import (
+from secondbox_scheduler.domain.assignment import (
     STATE_ASSIGNED,
     STATE_FAILED,
     STATE_RELEASED,
     STATE_UNCERTAIN,
     STATES,
 )
-from domain.errors import (
+from secondbox_scheduler.domain.errors import (
     PlacementError,
     ReconcileClaimError,
     RunnerNotFoundError,
     SchedulerError,
     StaleFenceError,
 )
-from domain.placement import REASON_CODES, reason_keys
-from domain.reconcile import ACTION_DEADLINE_EXCEEDED, ACTIONS, ReconcileDecision, decide_reconcile
-from domain.values import (
+from secondbox_scheduler.domain.placement import REASON_CODES, reason_keys
+from secondbox_scheduler.domain.reconcile import (
+    ACTION_DEADLINE_EXCEEDED,
+    ACTIONS,
+    ReconcileDecision,
+    decide_reconcile,
+)
+from secondbox_scheduler.domain.values import (
     Capacity,
     DurableAssignment,
     MaterializationSnapshot,
@@ -72,9 +77,9 @@ from domain.values import (
     RunnerSnapshot,
     ScheduleRequest,
 )
-from infrastructure.application import SchedulerApplication
-from infrastructure.reconciler import Reconciler, ReconcileReport
-from infrastructure.settings import (
+from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.reconciler import Reconciler, ReconcileReport
+from secondbox_scheduler.infrastructure.settings import (
     DATABASE_URL,
     DEFAULT_SQLITE_URL,
     READ_MODELS,

@@ -31,14 +31,17 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 
-from domain.values import Capacity
-from infrastructure.application import SchedulerApplication
-from infrastructure.audit import verify as audit_verify
-from infrastructure.verify_worker import HEARTBEAT_TIMEOUT, requirements
-from projections.read_models import rebuild
+from secondbox_scheduler.domain.values import Capacity
+from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.audit import verify as audit_verify
+from secondbox_scheduler.infrastructure.verify_worker import HEARTBEAT_TIMEOUT, requirements
+from secondbox_scheduler.projections.read_models import rebuild
 
 CAPABILITIES = ["compute", "network-policy", "storage", "cleanup", "local-workspace",
                 "client-selected-image"]  # fmt: skip
+
+
+WORKER_MODULE = "secondbox_scheduler.infrastructure.verify_worker"
 
 
 @dataclass
@@ -172,7 +175,7 @@ def run_verify(config: VerifyConfig, say: Callable[[str], None] = lambda _: None
         def start(worker: dict[str, Any]) -> subprocess.Popen[bytes]:
             log = (directory / f"worker-{worker['index']}.log").open("ab")
             return subprocess.Popen(
-                [sys.executable, "-m", "infrastructure.verify_worker", json.dumps(worker)],
+                [sys.executable, "-m", WORKER_MODULE, json.dumps(worker)],
                 stdout=subprocess.DEVNULL, stderr=log,
             )  # fmt: skip
 

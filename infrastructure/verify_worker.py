@@ -17,10 +17,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
-from domain.errors import SchedulerError
-from domain.values import Capacity, Requirements, ScheduleRequest
-from infrastructure.application import SchedulerApplication
-from infrastructure.reconciler import Reconciler
+from secondbox_scheduler.domain.errors import SchedulerError
+from secondbox_scheduler.domain.values import Capacity, Requirements, ScheduleRequest
+from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.reconciler import Reconciler
 
 HEARTBEAT_TIMEOUT = timedelta(minutes=10)
 PROOF = {"verified-by": "secondbox-verify"}

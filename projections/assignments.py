@@ -12,11 +12,11 @@ from datetime import datetime
 from functools import singledispatchmethod
 from typing import Any
 
-from domain.assignment import STATE_RELEASED
-from domain.sandbox import Sandbox
-from domain.values import Capacity, DurableAssignment
-from projections.row_changes import Insert, RowChange, Update
-from projections.sql_view import (
+from secondbox_scheduler.domain.assignment import STATE_RELEASED
+from secondbox_scheduler.domain.sandbox import Sandbox
+from secondbox_scheduler.domain.values import Capacity, DurableAssignment
+from secondbox_scheduler.projections.row_changes import Insert, RowChange, Update
+from secondbox_scheduler.projections.sql_view import (
     PostgresSqlView,
     SQLiteSqlView,
     SqlProjection,

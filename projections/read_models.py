@@ -27,24 +27,25 @@ from eventsourcing.persistence import IntegrityError, Tracking
 from eventsourcing.postgres import PostgresApplicationRecorder
 from eventsourcing.projection import Projection, ProjectionRunner
 from eventsourcing.sqlite import SQLiteApplicationRecorder
-from eventsourcing.utils import get_topic, resolve_topic
+from eventsourcing.utils import resolve_topic
 
-from projections.assignments import (
+from secondbox_scheduler.domain.event_topics import topics_of
+from secondbox_scheduler.projections.assignments import (
     AssignmentsProjection,
     AssignmentsView,
     PostgresAssignmentsView,
     SQLiteAssignmentsView,
 )
-from projections.event_decoder import EventDecoder
-from projections.notification_reader import gc_paused, read_pages
-from projections.row_changes import NetChanges
-from projections.runner_snapshots import (
+from secondbox_scheduler.projections.event_decoder import EventDecoder
+from secondbox_scheduler.projections.notification_reader import gc_paused, read_pages
+from secondbox_scheduler.projections.row_changes import NetChanges
+from secondbox_scheduler.projections.runner_snapshots import (
     PostgresRunnerSnapshotsView,
     RunnerSnapshotsProjection,
     RunnerSnapshotsView,
     SQLiteRunnerSnapshotsView,
 )
-from projections.sql_view import SqlView
+from secondbox_scheduler.projections.sql_view import SqlView
 
 PAGE = 1000  # notifications of the handled topics per page (and per transaction)
 READ_CHUNK = 5_000  # notifications per query; the next chunk is read ahead
@@ -68,10 +69,11 @@ VIEWS: dict[str, dict[str, type[SqlView]]] = {
 
 def handled_topics(projection_class: type[Projection[Any]]) -> tuple[str, ...]:
     """The topics of the events registered on the projection's ``changes``
-    (a ``singledispatchmethod``): other events change no row and need not be read."""
+    (a ``singledispatchmethod``), with their former topics: other events change no row
+    and need not be read."""
     changes = inspect.getattr_static(projection_class, "changes")
     registry = changes.dispatcher.registry
-    return tuple(sorted(get_topic(cls) for cls in registry if cls is not object))
+    return tuple(sorted(topic for cls in registry if cls is not object for topic in topics_of(cls)))
 
 
 def supports_read_models(app: Application[Any]) -> bool:
@@ -249,7 +251,7 @@ class ReadModels:
             view.wait(self.app.name, position, timeout=timeout)
 
     def status(self) -> list[ProjectionStatus]:
-        from infrastructure.event_log import count_events_after
+        from secondbox_scheduler.infrastructure.event_log import count_events_after
 
         head = self.app.recorder.max_notification_id() or 0
         statuses = []

@@ -12,9 +12,9 @@ from threading import Lock
 from uuid import UUID
 
 from eventsourcing.persistence import ApplicationRecorder, Mapper
-from eventsourcing.utils import get_topic
 
-from domain.runner import Runner
+from secondbox_scheduler.domain.event_topics import topics_of
+from secondbox_scheduler.domain.runner import Runner
 
 _PAGE = 1000
 
@@ -25,8 +25,7 @@ class RunnerIndex:
     def __init__(self, recorder: ApplicationRecorder, mapper: Mapper[UUID]) -> None:
         self._recorder = recorder
         self._mapper = mapper
-        self._topics = [get_topic(Runner.Registered), get_topic(Runner.Deregistered)]
-        self._registered = get_topic(Runner.Registered)
+        self._topics = [*topics_of(Runner.Registered), *topics_of(Runner.Deregistered)]
         self._position = 0
         self._pools: dict[str, set[str]] = {}
         self._pool_of: dict[str, str] = {}
@@ -40,8 +39,7 @@ class RunnerIndex:
             )
             for notification in page:
                 event = self._mapper.to_domain_event(notification)
-                if notification.topic == self._registered:
-                    assert isinstance(event, Runner.Registered)
+                if isinstance(event, Runner.Registered):
                     self._pools.setdefault(event.pool_name, set()).add(event.runner_id)
                     self._pool_of[event.runner_id] = event.pool_name
                     self._by_stream[event.originator_id] = event.runner_id

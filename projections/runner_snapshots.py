@@ -13,9 +13,9 @@ from datetime import datetime
 from functools import singledispatchmethod
 from typing import Any, ClassVar
 
-from domain.ids import lease_uuid
-from domain.lease import RunnerLease
-from domain.placement import (
+from secondbox_scheduler.domain.ids import lease_uuid
+from secondbox_scheduler.domain.lease import RunnerLease
+from secondbox_scheduler.domain.placement import (
     ARCHITECTURE,
     BACKEND,
     CAPABILITY_COMPUTE,
@@ -25,16 +25,16 @@ from domain.placement import (
     GUEST_PROTOCOL,
     HEARTBEAT_STALE,
 )
-from domain.runner import Runner
-from domain.values import (
+from secondbox_scheduler.domain.runner import Runner
+from secondbox_scheduler.domain.values import (
     DRAIN_PHASE_ACTIVE,
     Capacity,
     MaterializationSnapshot,
     Requirements,
     RunnerSnapshot,
 )
-from projections.row_changes import Insert, RowChange, Update
-from projections.sql_view import (
+from secondbox_scheduler.projections.row_changes import Insert, RowChange, Update
+from secondbox_scheduler.projections.sql_view import (
     PostgresSqlView,
     SQLiteSqlView,
     SqlProjection,

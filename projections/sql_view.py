@@ -29,7 +29,7 @@ from eventsourcing.projection import Projection
 from eventsourcing.sqlite import SQLiteDatastore, SQLiteTrackingRecorder
 from psycopg.sql import SQL, Composable, Composed, Identifier
 
-from projections.row_changes import Encoders, Key, NetChanges, RowChange
+from secondbox_scheduler.projections.row_changes import Encoders, Key, NetChanges, RowChange
 
 COPY_MIN_ROWS = 64  # PostgreSQL: from this many inserted rows, COPY instead of INSERTs
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"

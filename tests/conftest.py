@@ -16,7 +16,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from infrastructure import SchedulerApplication
+from secondbox_scheduler.infrastructure import SchedulerApplication
 from tests.postgres_server import PostgresServer, ThrowawayCluster, from_environment
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)

@@ -6,8 +6,13 @@ import itertools
 from datetime import datetime, timedelta
 from typing import Any
 
-from domain import Capacity, MaterializationSnapshot, Requirements, ScheduleRequest
-from infrastructure import SchedulerApplication
+from secondbox_scheduler.domain import (
+    Capacity,
+    MaterializationSnapshot,
+    Requirements,
+    ScheduleRequest,
+)
+from secondbox_scheduler.infrastructure import SchedulerApplication
 
 RUNTIME = "sha256:runtime"
 TOOLCHAIN = "sha256:toolchain"

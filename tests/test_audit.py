@@ -10,13 +10,13 @@ from uuid import UUID
 import pytest
 from typer.testing import CliRunner
 
-from domain import HomeRunnerUnavailableError, NoCompatibleRunnerError
-from domain.ids import runner_uuid, sandbox_uuid
-from domain.runner import Runner
-from domain.sandbox import Sandbox
-from infrastructure import SchedulerApplication
-from infrastructure.audit import explain, state_at, timeline, verify
-from infrastructure.cli import cli
+from secondbox_scheduler.domain import HomeRunnerUnavailableError, NoCompatibleRunnerError
+from secondbox_scheduler.domain.ids import runner_uuid, sandbox_uuid
+from secondbox_scheduler.domain.runner import Runner
+from secondbox_scheduler.domain.sandbox import Sandbox
+from secondbox_scheduler.infrastructure import SchedulerApplication
+from secondbox_scheduler.infrastructure.audit import explain, state_at, timeline, verify
+from secondbox_scheduler.infrastructure.cli import cli
 from tests.conftest import Clock
 from tests.factories import (
     CAPABILITIES,
@@ -337,7 +337,7 @@ def test_cli_verify_exits_non_zero_on_a_violation(
 def test_a_clean_history_from_simulate_verifies(postgres_schema: Any, tmp_path: Any) -> None:
     """Both stores: a simulated history (placements, refusals, drains, stale heartbeats,
     reconciliation, manual releases) has zero violations."""
-    from infrastructure.simulation import SimulationConfig, run_simulation
+    from secondbox_scheduler.infrastructure.simulation import SimulationConfig, run_simulation
 
     for url in (f"sqlite:///{tmp_path}/sim.db", postgres_schema.url()):
         result = run_simulation(SimulationConfig(database_url=url, runners=9, sandboxes=25))

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner, Result
 
-from infrastructure import SchedulerApplication
-from infrastructure.cli import cli
-from infrastructure.settings import DATABASE_URL
-from infrastructure.simulation import (
+from secondbox_scheduler.infrastructure import SchedulerApplication
+from secondbox_scheduler.infrastructure.cli import cli
+from secondbox_scheduler.infrastructure.settings import DATABASE_URL
+from secondbox_scheduler.infrastructure.simulation import (
     FULL_CAPABILITIES,
     OPERATOR,
     POOLS,

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from eventsourcing.persistence import MapperDeserialisationError, Notification
 
-from infrastructure import SchedulerApplication
-from infrastructure.simulation import SimulationConfig, run_simulation
-from projections.event_decoder import EventDecoder
-from projections.notification_reader import read_pages
+from secondbox_scheduler.infrastructure import SchedulerApplication
+from secondbox_scheduler.infrastructure.simulation import SimulationConfig, run_simulation
+from secondbox_scheduler.projections.event_decoder import EventDecoder
+from secondbox_scheduler.projections.notification_reader import read_pages
 from tests.conftest import PostgresSchema
 
 KINDS = {

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from domain import InvalidRequestError, ScheduleRequest, SchedulerError
-from infrastructure import SchedulerApplication
+from secondbox_scheduler.domain import InvalidRequestError, ScheduleRequest, SchedulerError
+from secondbox_scheduler.infrastructure import SchedulerApplication
 from tests.conftest import T0, Clock
 from tests.factories import create_sandbox, register, schedule_request, token
 

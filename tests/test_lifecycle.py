@@ -7,14 +7,19 @@ from datetime import timedelta
 
 import pytest
 
-from domain import Capacity, InvalidRequestError, ScheduleRequest, StaleFenceError
-from domain.errors import (
+from secondbox_scheduler.domain import (
+    Capacity,
+    InvalidRequestError,
+    ScheduleRequest,
+    StaleFenceError,
+)
+from secondbox_scheduler.domain.errors import (
     AssignmentNotFoundError,
     InvalidTransitionError,
     ReleaseProofError,
     SandboxNotFoundError,
 )
-from infrastructure import SchedulerApplication
+from secondbox_scheduler.infrastructure import SchedulerApplication
 from tests.conftest import Clock
 from tests.factories import create_sandbox, register, schedule_request, token
 

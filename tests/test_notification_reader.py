@@ -5,9 +5,11 @@ from __future__ import annotations
 import threading
 
 from eventsourcing.persistence import Notification
+from eventsourcing.utils import get_topic
 
-from infrastructure import SchedulerApplication
-from projections.notification_reader import read_pages
+from secondbox_scheduler.domain.runner import Runner
+from secondbox_scheduler.infrastructure import SchedulerApplication
+from secondbox_scheduler.projections.notification_reader import read_pages
 from tests.conftest import Clock, Store
 from tests.factories import create_sandbox, register, schedule_request
 
@@ -30,7 +32,7 @@ def test_pages_equal_the_recorders_notifications(app: SchedulerApplication, cloc
         app.schedule(schedule_request(f"s{number}", clock()))
     head = app.recorder.max_notification_id()
     assert head is not None
-    reserved = ["domain.runner:Runner.CapacityReserved", "domain.runner:Runner.Registered"]
+    reserved = [get_topic(Runner.CapacityReserved), get_topic(Runner.Registered)]
     for after, until, topics in [
         (0, None, []),
         (3, head - 2, []),

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from domain import (
+from secondbox_scheduler.domain import (
     DRAIN_PHASE_ACTIVE,
     DRAIN_PHASE_DRAINING,
     Capacity,
@@ -31,7 +31,7 @@ from domain import (
     select_home_runner,
     select_runner,
 )
-from domain.placement import REASON_CODES, evaluate_runner, rank_key
+from secondbox_scheduler.domain.placement import REASON_CODES, evaluate_runner, rank_key
 
 NOW = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
 TIMEOUT = timedelta(seconds=30)

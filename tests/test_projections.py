@@ -20,9 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from domain import Capacity, HomeRunnerUnavailableError, SchedulerError
-from infrastructure import SchedulerApplication
-from projections.read_models import ReadModels, rebuild
+from secondbox_scheduler.domain import Capacity, HomeRunnerUnavailableError, SchedulerError
+from secondbox_scheduler.infrastructure import SchedulerApplication
+from secondbox_scheduler.projections.read_models import ReadModels, rebuild
 from tests.conftest import Clock, Store
 from tests.factories import (
     RUNTIME,
@@ -255,7 +255,7 @@ def test_status_reports_position_head_and_lag(store: Store, clock: Clock) -> Non
 
 def cli(*args: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "infrastructure.cli", *args],
+        [sys.executable, "-m", "secondbox_scheduler.infrastructure.cli", *args],
         env={**os.environ, **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -348,7 +348,7 @@ ROW_OPERATIONS = st.lists(
 
 
 def row_change(operation: tuple[str, int, int, bool]) -> Any:
-    from projections.row_changes import Insert, Update
+    from secondbox_scheduler.projections.row_changes import Insert, Update
 
     name, row, value, null = operation
     if name == "insert":
@@ -376,7 +376,7 @@ def test_a_folded_batch_writes_the_rows_of_its_changes_one_by_one(
     deltas summed, NULL + delta = NULL) equal the SQL statements applied in order."""
     import sqlite3
 
-    from projections.row_changes import Insert, NetChanges
+    from secondbox_scheduler.projections.row_changes import Insert, NetChanges
 
     def one_by_one(db: sqlite3.Connection, changes: list[Any]) -> None:
         for change in changes:
@@ -423,14 +423,16 @@ def test_a_folded_batch_writes_the_rows_of_its_changes_one_by_one(
 
 
 def test_handled_topics_come_from_the_registered_events() -> None:
-    from projections.read_models import handled_topics
-    from projections.runner_snapshots import RunnerSnapshotsProjection
+    from secondbox_scheduler.projections.read_models import handled_topics
+    from secondbox_scheduler.projections.runner_snapshots import RunnerSnapshotsProjection
 
     topics = handled_topics(RunnerSnapshotsProjection)
-    assert "domain.runner:Runner.Registered" in topics
-    assert "domain.lease:RunnerLease.EvidenceRecorded" in topics
-    assert "domain.lease:RunnerLease.Opened" not in topics
-    assert not any(topic.startswith("domain.sandbox:") for topic in topics)
+    package = "secondbox_scheduler."
+    for former in ("", package):  # release 0.1 stored the topics without the package
+        assert f"{former}domain.runner:Runner.Registered" in topics
+        assert f"{former}domain.lease:RunnerLease.EvidenceRecorded" in topics
+        assert f"{former}domain.lease:RunnerLease.Opened" not in topics
+    assert not any(topic.split(":")[0].endswith("domain.sandbox") for topic in topics)
 
 
 def test_positions_reach_the_end_of_the_range_past_unhandled_events(
@@ -455,7 +457,7 @@ def test_rebuild_in_small_pages_and_chunks_equals_the_live_read_models(
     store: Store, clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rows inserted in one page and updated in later ones, chunks read ahead."""
-    import projections.read_models as read_models_module
+    import secondbox_scheduler.projections.read_models as read_models_module
 
     app = store.open()
     history = [("create", 0, b) for b in range(4)] + [

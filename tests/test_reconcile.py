@@ -13,20 +13,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from domain import ScheduleRequest, SchedulerError, StaleFenceError
-from domain.errors import ReconcileClaimError
-from domain.ids import runner_uuid, sandbox_uuid
-from domain.reconcile import (
+from secondbox_scheduler.domain import ScheduleRequest, SchedulerError, StaleFenceError
+from secondbox_scheduler.domain.errors import ReconcileClaimError
+from secondbox_scheduler.domain.ids import runner_uuid, sandbox_uuid
+from secondbox_scheduler.domain.reconcile import (
     ACTION_DEADLINE_EXCEEDED,
     ACTION_NONE,
     ACTION_UNCERTAIN,
     ReconcileDecision,
     decide_reconcile,
 )
-from domain.runner import Runner
-from domain.sandbox import Sandbox
-from infrastructure import SchedulerApplication
-from infrastructure.reconciler import Reconciler
+from secondbox_scheduler.domain.runner import Runner
+from secondbox_scheduler.domain.sandbox import Sandbox
+from secondbox_scheduler.infrastructure import SchedulerApplication
+from secondbox_scheduler.infrastructure.reconciler import Reconciler
 from tests.conftest import Clock
 from tests.factories import (
     HEARTBEAT_TIMEOUT,
@@ -39,6 +39,8 @@ from tests.factories import (
     token,
 )
 from tests.test_projections import fresh_store
+
+CLI = "secondbox_scheduler.infrastructure.cli"
 
 PROOF = {"stopped": "yes"}
 MINUTE = timedelta(minutes=1)
@@ -174,7 +176,7 @@ def test_a_claim_held_by_another_reconciler_is_skipped(
 
 def test_policy_is_pure_and_total(clock: Clock) -> None:
     app_free = datetime(2026, 1, 1, tzinfo=UTC)
-    from domain.values import DurableAssignment, RunnerSnapshot
+    from secondbox_scheduler.domain.values import DurableAssignment, RunnerSnapshot
 
     assignment = DurableAssignment(
         id="a", sandbox_id="s", state="running", operation_deadline=app_free,
@@ -327,7 +329,7 @@ def test_three_reconciler_processes_never_overlap_and_process_everything(
             )
         processes = [
             subprocess.Popen(
-                [sys.executable, "-m", "infrastructure.cli", "reconcile", "--once",
+                [sys.executable, "-m", CLI, "reconcile", "--once",
                  "--owner", f"reconciler-{i}", "--database-url", url, "--batch", "25",
                  "--interval", "3600", "--claim-ttl", "60", "--heartbeat-timeout", "7200",
                  "--poll", "0.05", "--json"],

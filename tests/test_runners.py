@@ -7,26 +7,26 @@ from typing import Any
 
 import pytest
 
-from domain import (
+from secondbox_scheduler.domain import (
     DRAIN_PHASE_ACTIVE,
     DRAIN_PHASE_DRAINING,
     Capacity,
     HomeRunnerUnavailableError,
     InvalidRequestError,
 )
-from domain.errors import (
+from secondbox_scheduler.domain.errors import (
     AlreadyExistsError,
     CapacityExceededError,
     ConflictError,
     RunnerNotFoundError,
 )
-from domain.lease import (
+from secondbox_scheduler.domain.lease import (
     OBSERVED_COALESCED,
     OBSERVED_EVIDENCE,
     OBSERVED_RENEWED,
     OBSERVED_STALE,
 )
-from infrastructure import SchedulerApplication
+from secondbox_scheduler.infrastructure import SchedulerApplication
 from tests.conftest import Clock, Store
 from tests.factories import (
     CAPABILITIES,

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from domain import (
+from secondbox_scheduler.domain import (
     Capacity,
     EgressContextUnavailableError,
     HomeRunnerUnavailableError,
@@ -16,10 +16,10 @@ from domain import (
     ProfileRevisionMismatchError,
     ScheduleRequest,
 )
-from domain.errors import AlreadyExistsError
-from domain.ids import sandbox_uuid
-from domain.sandbox import Sandbox
-from infrastructure import SchedulerApplication
+from secondbox_scheduler.domain.errors import AlreadyExistsError
+from secondbox_scheduler.domain.ids import sandbox_uuid
+from secondbox_scheduler.domain.sandbox import Sandbox
+from secondbox_scheduler.infrastructure import SchedulerApplication
 from tests.conftest import Clock, Store
 from tests.factories import (
     HEARTBEAT_TIMEOUT,

@@ -17,13 +17,19 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-import infrastructure.application as application
-from domain import Capacity, MaterializationSnapshot, Requirements, RunnerSnapshot, select_runner
-from domain.errors import PlacementError
-from domain.placement import Unlisted, decide, summarize_refusals
-from domain.sandbox import Sandbox
-from infrastructure import SchedulerApplication
-from infrastructure.audit import explain
+import secondbox_scheduler.infrastructure.application as application
+from secondbox_scheduler.domain import (
+    Capacity,
+    MaterializationSnapshot,
+    Requirements,
+    RunnerSnapshot,
+    select_runner,
+)
+from secondbox_scheduler.domain.errors import PlacementError
+from secondbox_scheduler.domain.placement import Unlisted, decide, summarize_refusals
+from secondbox_scheduler.domain.sandbox import Sandbox
+from secondbox_scheduler.infrastructure import SchedulerApplication
+from secondbox_scheduler.infrastructure.audit import explain
 from tests.conftest import Clock
 from tests.factories import CAPABILITIES, HEARTBEAT_TIMEOUT, RUNTIME, TOOLCHAIN, capacity
 

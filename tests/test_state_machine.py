@@ -25,14 +25,14 @@ from hypothesis.stateful import (
     rule,
 )
 
-from domain import (
+from secondbox_scheduler.domain import (
     HomeRunnerUnavailableError,
     InvalidRequestError,
     NoCompatibleRunnerError,
     SchedulerError,
     StaleFenceError,
 )
-from domain.errors import (
+from secondbox_scheduler.domain.errors import (
     AlreadyExistsError,
     CapacityExceededError,
     ConflictError,
@@ -40,8 +40,8 @@ from domain.errors import (
     InvalidTransitionError,
     ReleaseProofError,
 )
-from infrastructure import SchedulerApplication
-from infrastructure.audit import verify
+from secondbox_scheduler.infrastructure import SchedulerApplication
+from secondbox_scheduler.infrastructure.audit import verify
 from tests.conftest import Clock
 from tests.factories import (
     CAPABILITIES,

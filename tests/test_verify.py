@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from infrastructure.verify import VerifyConfig, run_verify
+from secondbox_scheduler.infrastructure.verify import VerifyConfig, run_verify
 
 
 @pytest.mark.slow
