@@ -51,7 +51,6 @@ from secondbox_scheduler.domain.values import (
     require_string_map,
     require_text,
 )
-from secondbox_scheduler.infrastructure.event_log import count_events
 from secondbox_scheduler.infrastructure.fast_forward import fast_forward_pair, load_uncached
 from secondbox_scheduler.infrastructure.settings import (
     DATABASE_URL,
@@ -59,6 +58,7 @@ from secondbox_scheduler.infrastructure.settings import (
     READ_MODELS,
     settings_from_url,
 )
+from secondbox_scheduler.projections.event_log import count_events
 from secondbox_scheduler.projections.read_models import ReadModels, supports_read_models
 from secondbox_scheduler.projections.runner_index import RunnerIndex
 

@@ -522,7 +522,7 @@ def measure_selection(
 
 
 def measure_replay(app: SchedulerApplication, progress: Progress) -> dict[str, Any]:
-    from secondbox_scheduler.infrastructure.audit import verify
+    from secondbox_scheduler.infrastructure.audit_replay import verify
     from secondbox_scheduler.projections.read_models import rebuild
 
     if app.read_models is None:

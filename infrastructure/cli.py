@@ -802,7 +802,7 @@ def audit_verify(
     until: UntilOption = None,
     as_json: JsonOutput = False,
 ) -> None:
-    from secondbox_scheduler.infrastructure.audit import parse_until, verify
+    from secondbox_scheduler.infrastructure.audit_replay import parse_until, verify
 
     with _reported_errors(), _store_errors(database_url):
         app = _open_store(database_url)
@@ -847,7 +847,7 @@ def audit_state(
     database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
     as_json: JsonOutput = False,
 ) -> None:
-    from secondbox_scheduler.infrastructure.audit import parse_until, state_at
+    from secondbox_scheduler.infrastructure.audit_replay import parse_until, state_at
 
     with _reported_errors(), _store_errors(database_url):
         app = _open_store(database_url)
@@ -881,7 +881,7 @@ def audit_timeline(
     database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
     as_json: JsonOutput = False,
 ) -> None:
-    from secondbox_scheduler.infrastructure.audit import timeline
+    from secondbox_scheduler.infrastructure.audit_replay import timeline
 
     if (sandbox is None) == (runner is None):
         raise typer.BadParameter("give exactly one of --sandbox ID or --runner ID")
@@ -923,7 +923,7 @@ def audit_explain(
     database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
     as_json: JsonOutput = False,
 ) -> None:
-    from secondbox_scheduler.infrastructure.audit import explain
+    from secondbox_scheduler.infrastructure.audit_replay import explain
 
     with _reported_errors(), _store_errors(database_url):
         app = _open_store(database_url)

@@ -33,7 +33,7 @@ import psycopg
 
 from secondbox_scheduler.domain.values import Capacity
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit import verify as audit_verify
+from secondbox_scheduler.infrastructure.audit_replay import verify as audit_verify
 from secondbox_scheduler.infrastructure.verify_worker import HEARTBEAT_TIMEOUT, requirements
 from secondbox_scheduler.projections.read_models import rebuild
 

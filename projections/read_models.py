@@ -37,6 +37,7 @@ from secondbox_scheduler.projections.assignments import (
     SQLiteAssignmentsView,
 )
 from secondbox_scheduler.projections.event_decoder import EventDecoder
+from secondbox_scheduler.projections.event_log import count_events_after
 from secondbox_scheduler.projections.notification_reader import gc_paused, read_pages
 from secondbox_scheduler.projections.row_changes import NetChanges
 from secondbox_scheduler.projections.runner_snapshots import (
@@ -251,7 +252,6 @@ class ReadModels:
             view.wait(self.app.name, position, timeout=timeout)
 
     def status(self) -> list[ProjectionStatus]:
-        from secondbox_scheduler.infrastructure.event_log import count_events_after
 
         head = self.app.recorder.max_notification_id() or 0
         statuses = []

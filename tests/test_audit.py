@@ -15,7 +15,7 @@ from secondbox_scheduler.domain.ids import runner_uuid, sandbox_uuid
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit import explain, state_at, timeline, verify
+from secondbox_scheduler.infrastructure.audit_replay import explain, state_at, timeline, verify
 from secondbox_scheduler.infrastructure.cli import cli
 from tests.conftest import Clock
 from tests.factories import (

@@ -29,7 +29,7 @@ from secondbox_scheduler.domain.errors import PlacementError
 from secondbox_scheduler.domain.placement import Unlisted, decide, summarize_refusals
 from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit import explain
+from secondbox_scheduler.infrastructure.audit_replay import explain
 from tests.conftest import Clock
 from tests.factories import CAPABILITIES, HEARTBEAT_TIMEOUT, RUNTIME, TOOLCHAIN, capacity
 

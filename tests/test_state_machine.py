@@ -41,7 +41,7 @@ from secondbox_scheduler.domain.errors import (
     ReleaseProofError,
 )
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit import verify
+from secondbox_scheduler.infrastructure.audit_replay import verify
 from tests.conftest import Clock
 from tests.factories import (
     CAPABILITIES,

@@ -14,7 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from secondbox_scheduler.domain.assignment import to_durable_assignment
-from secondbox_scheduler.domain.audit import AuditFold, Violation
+from secondbox_scheduler.domain.audit_fold import AuditFold, Violation
 from secondbox_scheduler.domain.errors import (
     InvalidRequestError,
     RunnerNotFoundError,
