@@ -24,10 +24,12 @@ from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
+from secondbox_scheduler.domain.assignment import STATE_RELEASED, STATE_RUNNING, STATE_UNCERTAIN
+from secondbox_scheduler.domain.evidence import rank_key_from_record
 from secondbox_scheduler.domain.lease import RunnerLease
 from secondbox_scheduler.domain.placement import checked_dimensions, evaluate_runner
 from secondbox_scheduler.domain.refusals import RefusalLog
-from secondbox_scheduler.domain.runner import Runner
+from secondbox_scheduler.domain.runner import Runner, runner_snapshot
 from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.domain.values import (
     DRAIN_PHASE_ACTIVE,
@@ -39,7 +41,6 @@ from secondbox_scheduler.domain.values import (
 )
 
 DIMENSIONS = Capacity.DIMENSIONS
-_RANK_KEYS = ("artifact_locality", "free_instances", "free_vcpu_count", "free_memory_bytes")
 
 
 @dataclass(frozen=True)
@@ -452,11 +453,7 @@ class AuditFold:
             self._violate("invariant-4", f"home runner {home!r} is not listed as compatible")
             return
 
-        def key(runner_id: str) -> tuple[Any, ...]:
-            rank = ranks[runner_id] or {}
-            return (*(-rank.get(k, 0) for k in _RANK_KEYS), runner_id)
-
-        best = min(ranks, key=key)
+        best = min(ranks, key=lambda runner_id: rank_key_from_record(runner_id, ranks[runner_id]))
         if ranks[home] is not None and best != home:
             self._violate("invariant-4", f"listed runner {best!r} ranks above home {home!r}")
 
@@ -575,13 +572,13 @@ class AuditFold:
         if record is None:
             self._violate("invariant-6", f"release of generation {event.generation} never fenced")
             return
-        if record["state"] == "released":
+        if record["state"] == STATE_RELEASED:
             self._violate("invariant-6", f"generation {event.generation} released twice")
         if not event.release_proof:
             self._violate("invariant-6", "released without proof")
-        if record["state"] != "released":
+        if record["state"] != STATE_RELEASED:
             self._owe(record["runner_id"], record["capacity"], -1)
-        self._touch(record, event, state="released", release_proof=dict(event.release_proof))
+        self._touch(record, event, state=STATE_RELEASED, release_proof=dict(event.release_proof))
         self.pending = Pending(
             "release", self.position, sandbox.sandbox_id, event.generation, record["runner_id"],
             dict(record["capacity"]),
@@ -592,7 +589,7 @@ class AuditFold:
         if sandbox is None:
             return
         current = sandbox.assignments.get(sandbox.generation)
-        if current is None or current["state"] != "released":
+        if current is None or current["state"] != STATE_RELEASED:
             self._violate("invariant-6", "generation advanced before its assignment was released")
         sandbox.generation = event.generation
 
@@ -607,7 +604,7 @@ class AuditFold:
             return
         changes: dict[str, Any] = {}
         if isinstance(event, Sandbox.AssignmentRunning):
-            changes = {"state": "running"}
+            changes = {"state": STATE_RUNNING}
         elif isinstance(event, Sandbox.AssignmentFailed):
             changes = {
                 "state": event.state,
@@ -615,7 +612,7 @@ class AuditFold:
                 "retry_count": event.retry_count,
             }
         elif isinstance(event, Sandbox.AssignmentUncertain):
-            changes = {"state": "uncertain"}
+            changes = {"state": STATE_UNCERTAIN}
         elif isinstance(event, Sandbox.ReconcileClaimed):
             changes = {"reconcile_owner": event.owner, "reconcile_claim_expires_at": event.until}
         elif isinstance(event, Sandbox.ReconcileClaimReleased):
@@ -645,31 +642,9 @@ class AuditFold:
         snapshots = []
         runners = [s.runner for s in self._streams.values() if s.runner is not None]
         for runner in sorted(runners, key=lambda r: r.runner_id):
-            if runner.deregistered:
-                continue
-            lease = self._of(self.lease_of.get(runner.runner_id)).lease
-            snapshots.append(
-                RunnerSnapshot.model_construct(
-                    id=runner.runner_id,
-                    pool_name=runner.pool_name,
-                    backend_kind=runner.backend_kind,
-                    architecture=runner.architecture,
-                    capabilities=frozenset(runner.capabilities),
-                    allocatable=Capacity.of(runner.allocatable),
-                    reserved=Capacity.of(runner.reserved),
-                    drain_phase=runner.drain_phase,
-                    last_heartbeat_at=lease.last_heartbeat_at if lease else None,
-                    artifact_digests=tuple(lease.artifact_digests) if lease else (),
-                    materializations=tuple(
-                        MaterializationSnapshot.from_record(m) for m in lease.materializations
-                    )
-                    if lease
-                    else (),
-                    supported_egress_contexts=tuple(runner.supported_egress_contexts),
-                    guest_protocol_minimum=runner.guest_protocol_minimum,
-                    guest_protocol_maximum=runner.guest_protocol_maximum,
-                )
-            )
+            if not runner.deregistered:
+                lease = self._of(self.lease_of.get(runner.runner_id)).lease
+                snapshots.append(runner_snapshot(runner, lease))
         return snapshots
 
     def assignment_records(self) -> list[dict[str, Any]]:

@@ -8,10 +8,8 @@ runner", "SecondBox scheduler ProfileRevision mismatch").
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from secondbox_scheduler.domain.placement import RunnerEvaluation, Unlisted
+from secondbox_scheduler.domain.evidence import RunnerEvaluation, Unlisted, summarize_refusals
 
 
 class SchedulerError(Exception):
@@ -42,8 +40,6 @@ class PlacementError(SchedulerError):
         *,
         unlisted: Unlisted | None = None,
     ) -> None:
-        from secondbox_scheduler.domain.placement import Unlisted, summarize_refusals
-
         self.evaluations = tuple(evaluations)
         self.unlisted = unlisted or Unlisted()  # runners refused without a record, counted
         summary = summarize_refusals(self.evaluations, self.unlisted)

@@ -14,7 +14,7 @@ by at most one event per interval however often the runner beats.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -61,18 +61,6 @@ class RunnerLease(Aggregate):
             lease.artifact_digests = list(self.artifact_digests)
             lease.materializations = [dict(item) for item in self.materializations]
 
-    def materialization_snapshots(self) -> tuple[MaterializationSnapshot, ...]:
-        return tuple(
-            MaterializationSnapshot.model_construct(
-                backend_kind=item["backend_kind"],
-                architecture=item["architecture"],
-                runtime_digest=item["runtime_digest"],
-                toolchain_digest=item["toolchain_digest"],
-                digest=item["digest"],
-            )
-            for item in self.materializations
-        )
-
     def observe(
         self,
         *,
@@ -101,3 +89,19 @@ class RunnerLease(Aggregate):
             return OBSERVED_COALESCED
         self.trigger_event(self.LivenessRenewed, timestamp=recorded_at, at=at)
         return OBSERVED_RENEWED
+
+
+def materialization_snapshots(
+    records: Sequence[Mapping[str, str]],
+) -> tuple[MaterializationSnapshot, ...]:
+    """Recorded materializations as value objects (trusted: no validation)."""
+    return tuple(
+        MaterializationSnapshot.model_construct(
+            backend_kind=item["backend_kind"],
+            architecture=item["architecture"],
+            runtime_digest=item["runtime_digest"],
+            toolchain_digest=item["toolchain_digest"],
+            digest=item["digest"],
+        )
+        for item in records
+    )

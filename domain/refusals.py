@@ -15,8 +15,8 @@ from typing import Any
 
 from eventsourcing.domain import Aggregate
 
+from secondbox_scheduler.domain.evidence import RunnerEvaluation, Unlisted, summarize_refusals
 from secondbox_scheduler.domain.ids import refusal_log_uuid
-from secondbox_scheduler.domain.placement import RunnerEvaluation, Unlisted, summarize_refusals
 
 OPERATION_CREATE = "create_sandbox"
 OPERATION_SCHEDULE = "schedule"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable, Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from eventsourcing.domain import Aggregate
 
@@ -26,7 +26,7 @@ from secondbox_scheduler.domain.errors import (
     RunnerUnavailableError,
 )
 from secondbox_scheduler.domain.ids import runner_uuid
-from secondbox_scheduler.domain.lease import RunnerLease
+from secondbox_scheduler.domain.lease import RunnerLease, materialization_snapshots
 from secondbox_scheduler.domain.placement import capacity_shortfall, checked_dimensions
 from secondbox_scheduler.domain.values import (
     DRAIN_PHASE_ACTIVE,
@@ -297,19 +297,52 @@ class Runner(Aggregate):
 
     def snapshot(self, lease: RunnerLease) -> RunnerSnapshot:
         """The public view of this runner joined with its latest recorded liveness."""
-        return RunnerSnapshot.model_construct(
-            id=self.runner_id,
-            pool_name=self.pool_name,
-            backend_kind=self.backend_kind,
-            architecture=self.architecture,
-            capabilities=frozenset(self.capabilities),
-            allocatable=Capacity.of(self.allocatable),
-            reserved=Capacity.of(self.reserved),
-            drain_phase=self.drain_phase,
-            last_heartbeat_at=lease.last_heartbeat_at,
-            artifact_digests=tuple(lease.artifact_digests),
-            materializations=lease.materialization_snapshots(),
-            supported_egress_contexts=tuple(self.supported_egress_contexts),
-            guest_protocol_minimum=self.guest_protocol_minimum,
-            guest_protocol_maximum=self.guest_protocol_maximum,
-        )
+        return runner_snapshot(self, lease)
+
+
+class RunnerState(Protocol):
+    """What a runner snapshot is built from: the Runner aggregate, or the audit fold's
+    plain copy of it (``domain.audit_fold.RunnerState``)."""
+
+    runner_id: str
+    pool_name: str
+    backend_kind: str
+    architecture: str
+    capabilities: list[str]
+    allocatable: dict[str, int]
+    reserved: dict[str, int]
+    drain_phase: str
+    supported_egress_contexts: list[str]
+    guest_protocol_minimum: int
+    guest_protocol_maximum: int
+
+
+class LeaseState(Protocol):
+    """A runner's recorded liveness: the RunnerLease aggregate or the audit fold's copy."""
+
+    last_heartbeat_at: datetime | None
+    artifact_digests: list[str]
+    materializations: list[dict[str, str]]
+
+
+def runner_snapshot(runner: RunnerState, lease: LeaseState | None) -> RunnerSnapshot:
+    """The one place a :class:`RunnerSnapshot` is built from runner state (trusted: no
+    validation). The runner snapshots projection decodes its rows in
+    ``projections.runner_snapshots.row_to_snapshot`` instead: a row is that projection's
+    own column layout, not runner state."""
+    return RunnerSnapshot.model_construct(
+        id=runner.runner_id,
+        pool_name=runner.pool_name,
+        backend_kind=runner.backend_kind,
+        architecture=runner.architecture,
+        capabilities=frozenset(runner.capabilities),
+        allocatable=Capacity.of(runner.allocatable),
+        reserved=Capacity.of(runner.reserved),
+        drain_phase=runner.drain_phase,
+        last_heartbeat_at=lease.last_heartbeat_at if lease else None,
+        artifact_digests=tuple(lease.artifact_digests) if lease else (),
+        materializations=materialization_snapshots(lease.materializations) if lease else (),
+        supported_egress_contexts=tuple(runner.supported_egress_contexts),
+        guest_protocol_minimum=runner.guest_protocol_minimum,
+        guest_protocol_maximum=runner.guest_protocol_maximum,
+    )

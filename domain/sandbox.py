@@ -38,16 +38,9 @@ from secondbox_scheduler.domain.errors import (
     ReleaseProofError,
     StaleFenceError,
 )
+from secondbox_scheduler.domain.evidence import Unlisted, decision_record, home_decision_record
 from secondbox_scheduler.domain.ids import sandbox_uuid
-from secondbox_scheduler.domain.placement import (
-    PlacementDecision,
-    Unlisted,
-    bounded_evidence,
-    decide,
-    rank_key,
-    refusal,
-    select_home_runner,
-)
+from secondbox_scheduler.domain.placement import decide, refusal, select_home_runner
 from secondbox_scheduler.domain.reconcile import (
     ACTION_DEADLINE_EXCEEDED,
     ACTION_NONE,
@@ -55,55 +48,6 @@ from secondbox_scheduler.domain.reconcile import (
     ACTIONS,
 )
 from secondbox_scheduler.domain.values import Requirements, RunnerSnapshot, ScheduleRequest
-
-
-def decision_record(
-    now: datetime, heartbeat_timeout: timedelta, evaluations: Sequence[Any], chosen: str
-) -> dict[str, Any]:
-    return {
-        "decided_at": now,
-        "heartbeat_timeout_seconds": heartbeat_timeout.total_seconds(),
-        "chosen_runner_id": chosen,
-        "candidates": [evaluation.to_record() for evaluation in evaluations],
-    }
-
-
-def ranked_candidates(
-    requirements: Requirements, runners: Sequence[RunnerSnapshot], evaluations: Sequence[Any]
-) -> list[dict[str, Any]]:
-    """Candidate records; compatible ones carry the ranking keys they were ordered by."""
-    records = []
-    for runner, evaluation in zip(runners, evaluations, strict=True):
-        record = evaluation.to_record()
-        if evaluation.compatible:
-            locality, instances, vcpu, memory, _ = rank_key(requirements, runner)
-            record["rank"] = {
-                "artifact_locality": -locality,
-                "free_instances": -instances,
-                "free_vcpu_count": -vcpu,
-                "free_memory_bytes": -memory,
-            }
-        records.append(record)
-    return records
-
-
-def home_decision_record(
-    requirements: Requirements,
-    runners: Sequence[RunnerSnapshot],
-    decision: PlacementDecision,
-    now: datetime,
-    heartbeat_timeout: timedelta,
-) -> dict[str, Any]:
-    """The evidence of a home decision (docs/events.md 7.3): bounded candidate records,
-    and ``unlisted`` counts for the pool's runners without a record."""
-    assert decision.chosen is not None
-    kept, elided = bounded_evidence(decision.evaluations, decision.chosen.id)
-    record = decision_record(now, heartbeat_timeout, [], decision.chosen.id)
-    record["candidates"] = ranked_candidates(
-        requirements, [runners[i] for i in kept], [decision.evaluations[i] for i in kept]
-    )
-    record["unlisted"] = decision.unlisted.merged(elided).to_record()
-    return record
 
 
 class Sandbox(Aggregate):
@@ -158,9 +102,7 @@ class Sandbox(Aggregate):
         decision = decide(requirements, runners, now, heartbeat_timeout, unlisted)
         if decision.chosen is None:
             raise refusal(decision)
-        home_decision = home_decision_record(
-            requirements, runners, decision, now, heartbeat_timeout
-        )
+        home_decision = home_decision_record(decision, now, heartbeat_timeout)
         return cls._create(
             cls.Created,
             id=sandbox_uuid(sandbox_id),
@@ -341,8 +283,12 @@ class Sandbox(Aggregate):
             self.home_runner_id, requirements, [runner], request.now, request.heartbeat_timeout
         )
         record = new_assignment_record(request, runner, self.generation, request.now)
-        placement = decision_record(request.now, request.heartbeat_timeout, [], runner.id)
-        placement["candidates"] = [{"runner_id": runner.id, "failures": []}]
+        placement = decision_record(
+            request.now,
+            request.heartbeat_timeout,
+            runner.id,
+            [{"runner_id": runner.id, "failures": []}],
+        )
         placement.update(
             home_runner_id=self.home_runner_id,
             runner=runner.to_record(),

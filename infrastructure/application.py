@@ -33,9 +33,9 @@ from secondbox_scheduler.domain.errors import (
     SandboxNotFoundError,
     SerializationContentionError,
 )
+from secondbox_scheduler.domain.evidence import Unlisted
 from secondbox_scheduler.domain.ids import lease_uuid, refusal_log_uuid, runner_uuid, sandbox_uuid
 from secondbox_scheduler.domain.lease import RunnerLease
-from secondbox_scheduler.domain.placement import Unlisted, decide, rank_key
 from secondbox_scheduler.domain.reconcile import ReconcileDecision
 from secondbox_scheduler.domain.refusals import OPERATION_CREATE, OPERATION_SCHEDULE, RefusalLog
 from secondbox_scheduler.domain.runner import Runner
@@ -58,6 +58,7 @@ from secondbox_scheduler.infrastructure.settings import (
     READ_MODELS,
     settings_from_url,
 )
+from secondbox_scheduler.projections.candidates import home_candidates
 from secondbox_scheduler.projections.event_log import count_events
 from secondbox_scheduler.projections.read_models import ReadModels, supports_read_models
 from secondbox_scheduler.projections.runner_index import RunnerIndex
@@ -69,7 +70,6 @@ BACKOFF_BASE_SECONDS = 0.002
 BACKOFF_CAP_SECONDS = 0.250
 COMMAND_RETRY_LIMIT = 32  # conflicts tolerated by commands other than schedule
 DEFAULT_LEASE_RENEWAL = timedelta(seconds=10)
-CANDIDATE_PAGE = 16  # first page of prefiltered candidates; each next page doubles
 
 
 def system_now() -> datetime:
@@ -429,44 +429,14 @@ class SchedulerApplication(Application[UUID]):
     def _candidates(
         self, requirements: Requirements, now: datetime, heartbeat_timeout: timedelta
     ) -> tuple[list[RunnerSnapshot], Unlisted]:
-        """The runners to evaluate for a home decision, and counts of the pool's others.
-
-        With the read model: the pool's runners that pass the SQL prefilter (plain
-        columns: architecture, drain phase, heartbeat, backend, guest protocol, free
-        capacity), best first by an upper bound of the ranking key, a page at a time
-        until the page's last bound ranks below the best compatible runner found (or the
-        rows run out). Every runner not fetched ranks below the chosen one or fails a
-        prefilter rule, so the choice is exactly ``select_runner``'s over the whole pool
-        (docs/architecture.md, "Selection without reading the pool"). Without it: every
-        runner of the pool, folded from the aggregates.
-
-        A lagging read model can only make the home choice worse, never unsafe:
-        ``schedule`` decides against the aggregates.
-        """
+        """The runners to evaluate for a home decision, and counts of the pool's others:
+        with the read model, the pool's prefiltered candidates a page at a time
+        (:func:`secondbox_scheduler.projections.candidates.home_candidates`); without it,
+        every runner of the pool, folded from the aggregates."""
         read_models = self.current_read_models()
         if read_models is None:
             return self.fold_runner_snapshots(requirements.pool_name), Unlisted()
-        view = read_models.runners
-        stale_before = now - heartbeat_timeout
-        counts, page = view.first_candidates(requirements, stale_before, CANDIDATE_PAGE)
-        candidates: list[RunnerSnapshot] = []
-        offset, limit = 0, CANDIDATE_PAGE
-        while True:
-            if offset:
-                page = view.candidate_page(requirements, stale_before, offset, limit)
-            candidates.extend(snapshot for _, snapshot in page)
-            if len(page) < limit:
-                break
-            chosen = decide(requirements, candidates, now, heartbeat_timeout).chosen
-            if chosen is not None and page[-1][0] > rank_key(requirements, chosen):
-                break
-            offset, limit = offset + limit, limit * 2
-        unlisted = Unlisted(
-            refused=counts.excluded,
-            not_evaluated=max(0, counts.passed - len(candidates)),
-            reasons=counts.reasons,
-        )
-        return candidates, unlisted
+        return home_candidates(read_models.runners, requirements, now, heartbeat_timeout)
 
     def _runner_and_lease(self, runner_id: str) -> tuple[Runner, RunnerLease]:
         """The home runner (a copy to command) and its lease; cached ones are brought

@@ -20,8 +20,8 @@ from secondbox_scheduler.domain.errors import (
     RunnerNotFoundError,
     SandboxNotFoundError,
 )
+from secondbox_scheduler.domain.evidence import RunnerEvaluation, Unlisted, summarize_refusals
 from secondbox_scheduler.domain.ids import lease_uuid, refusal_log_uuid, runner_uuid, sandbox_uuid
-from secondbox_scheduler.domain.placement import RunnerEvaluation, Unlisted, summarize_refusals
 from secondbox_scheduler.domain.values import DurableAssignment, RunnerSnapshot
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.projections.event_decoder import EventDecoder

@@ -62,7 +62,7 @@ from secondbox_scheduler.domain.errors import (
     SchedulerError,
     StaleFenceError,
 )
-from secondbox_scheduler.domain.placement import REASON_CODES, reason_keys
+from secondbox_scheduler.domain.evidence import REASON_CODES, reason_keys
 from secondbox_scheduler.domain.reconcile import (
     ACTION_DEADLINE_EXCEEDED,
     ACTIONS,

@@ -12,7 +12,7 @@ from datetime import datetime
 from functools import singledispatchmethod
 from typing import Any
 
-from secondbox_scheduler.domain.assignment import STATE_RELEASED
+from secondbox_scheduler.domain.assignment import STATE_RELEASED, STATE_RUNNING, STATE_UNCERTAIN
 from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.domain.values import Capacity, DurableAssignment
 from secondbox_scheduler.projections.row_changes import Insert, RowChange, Update
@@ -153,7 +153,7 @@ class AssignmentsProjection(SqlProjection[AssignmentsView]):
 
     @changes.register
     def _(self, event: Sandbox.AssignmentRunning) -> list[RowChange]:
-        return [_update(event, state="running")]
+        return [_update(event, state=STATE_RUNNING)]
 
     @changes.register
     def _(self, event: Sandbox.AssignmentReleased) -> list[RowChange]:
@@ -182,7 +182,7 @@ class AssignmentsProjection(SqlProjection[AssignmentsView]):
 
     @changes.register
     def _(self, event: Sandbox.AssignmentUncertain) -> list[RowChange]:
-        return [_update(event, state="uncertain")]
+        return [_update(event, state=STATE_UNCERTAIN)]
 
     @changes.register
     def _(self, event: Sandbox.ReconcileScheduled) -> list[RowChange]:

@@ -31,7 +31,8 @@ from secondbox_scheduler.domain import (
     select_home_runner,
     select_runner,
 )
-from secondbox_scheduler.domain.placement import REASON_CODES, evaluate_runner, rank_key
+from secondbox_scheduler.domain.evidence import REASON_CODES
+from secondbox_scheduler.domain.placement import evaluate_runner, rank_key
 
 NOW = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
 TIMEOUT = timedelta(seconds=30)

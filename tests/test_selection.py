@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-import secondbox_scheduler.infrastructure.application as application
+import secondbox_scheduler.projections.candidates as candidates
 from secondbox_scheduler.domain import (
     Capacity,
     MaterializationSnapshot,
@@ -26,7 +26,8 @@ from secondbox_scheduler.domain import (
     select_runner,
 )
 from secondbox_scheduler.domain.errors import PlacementError
-from secondbox_scheduler.domain.placement import Unlisted, decide, summarize_refusals
+from secondbox_scheduler.domain.evidence import Unlisted, summarize_refusals
+from secondbox_scheduler.domain.placement import decide
 from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit_replay import explain
@@ -152,7 +153,7 @@ def test_create_sandbox_chooses_what_select_runner_chooses(
     runners: list[dict[str, Any]],
     wanted: dict[str, Any],
 ) -> None:
-    monkeypatch.setattr(application, "CANDIDATE_PAGE", page)
+    monkeypatch.setattr(candidates, "FIRST_PAGE", page)
     pool = f"p{next(_pools)}"
     for spec in runners:
         _register(app, clock, pool, spec)
