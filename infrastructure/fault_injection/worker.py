@@ -1,4 +1,7 @@
-"""One worker process of ``secondbox-scheduler verify`` (run as ``python -m``).
+"""One worker process of the fault-injection run, ``secondbox-scheduler verify``.
+
+Started as ``python -m secondbox_scheduler.infrastructure.fault_injection.worker CONFIG``
+(CONFIG: the worker's settings as JSON) by :mod:`.run`.
 
 It owns a partition of the sandboxes (so its retried requests have one right answer)
 and shares every runner with the other workers (the hot spots). It journals each
@@ -18,22 +21,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from secondbox_scheduler.domain.errors import SchedulerError
-from secondbox_scheduler.domain.values import Capacity, Requirements, ScheduleRequest
+from secondbox_scheduler.domain.values import ScheduleRequest
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.fault_injection.fleet import HEARTBEAT_TIMEOUT, requirements
 from secondbox_scheduler.infrastructure.reconciler import Reconciler
 
-HEARTBEAT_TIMEOUT = timedelta(minutes=10)
 PROOF = {"verified-by": "secondbox-verify"}
-
-
-def requirements(pool: str) -> Requirements:
-    return Requirements(
-        pool_name=pool,
-        architecture="x86_64",
-        capacity=Capacity(vcpu_count=1, memory_bytes=1, disk_bytes=1, instances=1, operations=1),
-        guest_protocol_generation=1,
-        required_capabilities={"client-selected-image"},
-    )
 
 
 class Worker:

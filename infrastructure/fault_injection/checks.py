@@ -1,0 +1,81 @@
+"""The final checks of a fault-injection run, over its database and the workers' journals.
+
+- ``audit verify`` over the whole log finds nothing (which includes: no runner over its
+  allocatable at any position);
+- every acknowledged schedule is in the store with the same assignment (id, token);
+- every request a kill interrupted, retried by the restarted worker, got the same
+  assignment back;
+- the read models caught up from the log equal a rebuild from zero.
+
+Along the way it counts, into the report, what the workers' journals say they did.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.audit_replay import verify as audit_verify
+from secondbox_scheduler.infrastructure.fault_injection.config import FaultRunReport
+from secondbox_scheduler.projections.read_models import rebuild
+
+
+def check(url: str, configs: list[dict[str, Any]], report: FaultRunReport) -> None:
+    app = SchedulerApplication(
+        env={"SECONDBOX_DATABASE_URL": url, "SECONDBOX_READ_MODELS": "external"}
+    )
+    try:
+        audit = audit_verify(app, measure_raw=False)
+        report.events = audit.events
+        report.audit_events_per_second = audit.events_per_second
+        report.violations += [f"audit: {violation}" for violation in audit.violations]
+        for worker in configs:
+            records = [
+                json.loads(line)
+                for line in Path(worker["journal"]).read_text().splitlines()
+                if line.strip()
+            ]
+            last_stats: dict[str, int] = {}
+            for record in records:
+                kind = record["kind"]
+                if kind == "ack":
+                    report.operations[record["op"]] += 1
+                elif kind == "refused":
+                    report.refusals[record["error"]] += 1
+                elif kind == "fault":
+                    report.faults += 1
+                elif kind == "start":
+                    if last_stats:
+                        report.contention_retries += last_stats.get("contention_retries", 0)
+                        report.contention_errors += last_stats.get("contention_errors", 0)
+                    last_stats = {}
+                elif kind == "stats":
+                    last_stats = record
+                if kind == "ack" and record["op"] == "schedule":
+                    report.acknowledged_schedules += 1
+                    stored = app.get_assignment(record["sandbox"], record["generation"])
+                    if stored is None or (stored.id, stored.fencing_token.hex()) != (
+                        record["assignment"],
+                        record["token"],
+                    ):
+                        report.violations.append(f"acknowledged schedule lost or changed: {record}")
+                    if record["retried"]:
+                        report.retried_in_flight += 1
+                        if record["assignment"] != record["request"]:
+                            report.violations.append(
+                                f"retried request got another assignment: {record}"
+                            )
+            report.contention_retries += last_stats.get("contention_retries", 0)
+            report.contention_errors += last_stats.get("contention_errors", 0)
+        read_models = app.read_models
+        assert read_models is not None
+        read_models.catch_up()
+        live = [view.rows() for view in read_models.views.values()]  # type: ignore[attr-defined]
+        rebuild(read_models)
+        rebuilt = [view.rows() for view in read_models.views.values()]  # type: ignore[attr-defined]
+        if live != rebuilt:
+            report.violations.append("read models caught up from the log differ from a rebuild")
+    finally:
+        app.close()
