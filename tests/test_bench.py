@@ -12,8 +12,12 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner, Result
 
-from secondbox_scheduler.infrastructure.bench import SECTIONS, BenchSettings, evaluate_goals
-from secondbox_scheduler.infrastructure.bench_report import print_report
+from secondbox_scheduler.infrastructure.bench import (
+    SECTIONS,
+    BenchSettings,
+    evaluate_goals,
+    print_report,
+)
 from secondbox_scheduler.infrastructure.cli import cli
 from tests.postgres_server import PostgresServer
 

@@ -1,4 +1,5 @@
-"""How loading a Runner costs as its history grows (``secondbox-scheduler bench history``).
+"""How loading a Runner costs as its history grows (``secondbox-scheduler bench history``,
+and the history section of ``secondbox-scheduler bench``).
 
 For each history size it builds one runner whose stream holds that many events
 (reservation/release pairs made by the Runner aggregate itself, saved in batches),
@@ -16,18 +17,19 @@ Each figure is the median of several loads; ratios are against the smallest size
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any
-from uuid import UUID
 
 from secondbox_scheduler.domain.ids import runner_uuid
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.values import Capacity
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.bench.settings import BenchSettings, Progress
+from secondbox_scheduler.infrastructure.bench.timing import median_ms
 
 BATCH = 1000
 ONE = Capacity(vcpu_count=1, memory_bytes=1, disk_bytes=1, instances=1, operations=1)
@@ -84,15 +86,6 @@ def build_history(app: SchedulerApplication, runner_id: str, events: int) -> Non
         app.save(runner)
 
 
-def _median_ms(app: SchedulerApplication, aggregate_id: UUID, repeat: int) -> float:
-    samples = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        app.repository.get(aggregate_id)
-        samples.append((time.perf_counter() - started) * 1000)
-    return statistics.median(samples)
-
-
 def measure_history(
     env: Mapping[str, str],
     sizes: Sequence[int] = (10, 1_000, 100_000),
@@ -121,9 +114,11 @@ def measure_history(
             )
             try:
                 warm_app.repository.get(aggregate_id)
-                cold = _median_ms(cold_app, aggregate_id, repeat)
-                warm = _median_ms(warm_app, aggregate_id, repeat)
-                replay = _median_ms(replay_app, aggregate_id, max(3, repeat // 5))
+                cold = median_ms(partial(cold_app.repository.get, aggregate_id), repeat)
+                warm = median_ms(partial(warm_app.repository.get, aggregate_id), repeat)
+                replay = median_ms(
+                    partial(replay_app.repository.get, aggregate_id), max(3, repeat // 5)
+                )
             finally:
                 for app in (cold_app, warm_app, replay_app):
                     app.close()
@@ -150,3 +145,11 @@ def measure_history(
         )
         for row in rows
     ]
+
+
+def measure_history_section(
+    env: dict[str, str], settings: BenchSettings, progress: Progress
+) -> dict[str, Any]:
+    """The history section of a bench run: :func:`measure_history` at the run's sizes."""
+    rows = measure_history(env, settings.history_sizes, settings.history_repeat, progress)
+    return {"rows": [row.to_dict() for row in rows]}

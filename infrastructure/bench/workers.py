@@ -40,16 +40,14 @@ from secondbox_scheduler.domain.errors import (
     SerializationContentionError,
 )
 from secondbox_scheduler.domain.ids import lease_uuid, runner_uuid
-from secondbox_scheduler.infrastructure.bench_fleet import bench_requirements, schedule_request
+from secondbox_scheduler.infrastructure.bench.errors import BenchError
+from secondbox_scheduler.infrastructure.bench.fleet import bench_requirements, schedule_request
+from secondbox_scheduler.infrastructure.bench.timing import percentile
 from secondbox_scheduler.infrastructure.settings import DATABASE_URL, settings_from_url
 
 PAYLOAD = "x" * 256  # the raw event's payload: a small event, as a placement's are a few KB
 WARM_UP_SAVES = 3
 BARRIER_TIMEOUT = 900.0  # seconds a worker waits for the others to finish preparing
-
-
-class BenchError(RuntimeError):
-    """A worker failed or the benchmark cannot run as configured."""
 
 
 class RawRecord(Aggregate):
@@ -357,15 +355,6 @@ class WorkerPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def percentile(samples: list[float], fraction: float) -> float:
-    """Nearest-rank percentile (0 for no samples)."""
-    if not samples:
-        return 0.0
-    ordered = sorted(samples)
-    rank = max(1, math.ceil(fraction * len(ordered)))
-    return ordered[rank - 1]
 
 
 def summarize(results: list[WorkerResult], *, count: str = "placed") -> dict[str, Any]:

@@ -1,0 +1,110 @@
+"""The goals of ``secondbox-scheduler bench``: each figure of a report against its
+target, as met, not met, or not measured in this run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+GOAL_PLACEMENT = 0.5
+GOAL_CONTENTION = 0.3
+GOAL_SELECTION = 3.0
+GOAL_HISTORY = 2.0
+GOAL_REPLAY = 0.5
+
+
+def _goal(target: str, value: float | None, met: bool | None, detail: str) -> dict[str, Any]:
+    return {"target": target, "value": value, "met": met, "detail": detail}
+
+
+def _skipped(target: str) -> dict[str, Any]:
+    return _goal(target, None, None, "not measured in this run")
+
+
+def evaluate_goals(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    goals: dict[str, dict[str, Any]] = {}
+    raw, placement = report.get("raw_baseline"), report.get("placement")
+    target = f">= {GOAL_PLACEMENT} x two-aggregate raw baseline"
+    if raw and placement:
+        baseline = raw["two_aggregates"]["transactions_per_second"]
+        ratio = placement["per_second"] / baseline if baseline else 0.0
+        goals["placement_throughput"] = _goal(
+            target,
+            round(ratio, 3),
+            ratio >= GOAL_PLACEMENT,
+            f"{placement['per_second']:,.0f} schedules/s vs {baseline:,.0f} two-aggregate "
+            "transactions/s",
+        )
+    else:
+        goals["placement_throughput"] = _skipped(target)
+
+    contention = report.get("contention")
+    target = f">= {GOAL_CONTENTION} x uncontended throughput, no oversubscription"
+    if contention and placement:
+        ratio = (
+            contention["goodput_per_second"] / placement["per_second"]
+            if placement["per_second"]
+            else 0.0
+        )
+        state = contention["hot_runner_state"]
+        clean = state["oversubscribed_runners"] == 0 and state["reservations_match_placements"]
+        goals["contention_goodput"] = _goal(
+            target,
+            round(ratio, 3),
+            ratio >= GOAL_CONTENTION and clean,
+            f"{contention['goodput_per_second']:,.0f} placements/s vs "
+            f"{placement['per_second']:,.0f}; {state['oversubscribed_runners']} hot runners "
+            f"oversubscribed; {contention['contention_errors']} contention errors",
+        )
+    else:
+        goals["contention_goodput"] = _skipped(target)
+
+    selection = report.get("selection")
+    target = f"create_sandbox at 10x the runners <= {GOAL_SELECTION} x the cost"
+    if selection and len(selection["rows"]) >= 2:
+        small, large = selection["rows"][-2], selection["rows"][-1]
+        ratio = large["create_sandbox_ms"] / small["create_sandbox_ms"]
+        goals["selection_scaling"] = _goal(
+            target,
+            round(ratio, 2),
+            ratio <= GOAL_SELECTION,
+            f"{large['runners']:,} runners {large['create_sandbox_ms']:.1f} ms vs "
+            f"{small['runners']:,} runners {small['create_sandbox_ms']:.1f} ms",
+        )
+    else:
+        goals["selection_scaling"] = _skipped(target)
+
+    history = report.get("history")
+    target = f"largest history load <= {GOAL_HISTORY} x smallest (cold and warm)"
+    if history and history["rows"]:
+        first, last = history["rows"][0], history["rows"][-1]
+        worst = max(last["cold_ratio"], last["warm_ratio"])
+        goals["history_growth"] = _goal(
+            target,
+            round(worst, 2),
+            worst <= GOAL_HISTORY,
+            f"{last['events']:,} events: cold {last['cold_ms']:.2f} ms "
+            f"({last['cold_ratio']:.2f}x), warm {last['warm_ms']:.3f} ms "
+            f"({last['warm_ratio']:.2f}x) vs {first['events']:,} events",
+        )
+    else:
+        goals["history_growth"] = _skipped(target)
+
+    replay = report.get("replay")
+    for key, name, label in (
+        ("audit_replay", "audit_verify", "audit verify"),
+        ("projection_rebuild", "rebuild", "projection rebuild"),
+    ):
+        target = f">= {GOAL_REPLAY} x raw notification read rate"
+        if replay:
+            figures = replay[name]
+            ratio = figures["ratio_to_raw_read"] or 0.0
+            goals[key] = _goal(
+                target,
+                round(ratio, 3),
+                ratio >= GOAL_REPLAY,
+                f"{label} {figures['events_per_second']:,.0f} events/s vs raw read "
+                f"{figures['raw_read_events_per_second']:,.0f} events/s",
+            )
+        else:
+            goals[key] = _skipped(target)
+    return goals

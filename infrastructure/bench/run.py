@@ -1,0 +1,83 @@
+"""``run_bench``: every section of one ``secondbox-scheduler bench`` run, in order, on a
+fresh database; the report as a dict (settings, database, machine, the figures of each
+section, goals, wall time)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.bench.database import (
+    bench_database,
+    machine_info,
+    store_env,
+)
+from secondbox_scheduler.infrastructure.bench.errors import BenchError
+from secondbox_scheduler.infrastructure.bench.goals import evaluate_goals
+from secondbox_scheduler.infrastructure.bench.history import measure_history_section
+from secondbox_scheduler.infrastructure.bench.replay import measure_replay
+from secondbox_scheduler.infrastructure.bench.selection import measure_selection
+from secondbox_scheduler.infrastructure.bench.settings import SECTIONS, BenchSettings, Progress
+from secondbox_scheduler.infrastructure.bench.throughput import (
+    measure_contention,
+    measure_placement,
+    measure_raw,
+)
+from secondbox_scheduler.infrastructure.bench.workers import RawBaseline, WorkerPool, raw_env
+
+DEFAULT_RATE = 1000.0  # schedules/s assumed when no raw baseline was measured
+
+
+def run_bench(
+    settings: BenchSettings,
+    database_url: str | None = None,
+    *,
+    keep: bool = False,
+    progress: Progress = lambda _: None,
+) -> dict[str, Any]:
+    """Run every section of ``settings`` on a fresh database; the report as a dict."""
+    unknown = set(settings.sections) - set(SECTIONS)
+    if unknown:
+        raise BenchError(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    started = time.perf_counter()
+    stamp = f"{time.strftime('%Y%m%d_%H%M%S')}_{os.getpid()}"
+    wanted = set(settings.sections)
+    report: dict[str, Any] = {"settings": settings.to_dict()}
+    with bench_database(database_url, stamp, keep=keep) as fresh:
+        report["database"] = fresh.shown
+        report["kept"] = keep
+        report["machine"] = machine_info(fresh)
+        env = store_env(fresh.url)
+        progress(f"fresh database {fresh.shown}")
+        app = SchedulerApplication(env=env)  # creates the tables before any worker starts
+        RawBaseline(env=raw_env(env)).close()
+        try:
+            needs_workers = bool(wanted & {"raw", "placement", "contention"})
+            with WorkerPool(settings.workers if needs_workers else 1) as pool:
+                rate = DEFAULT_RATE
+                if "raw" in wanted:
+                    progress(
+                        f"raw baseline: {settings.workers} workers, 2 x {settings.raw_seconds:g}s"
+                    )
+                    report["raw_baseline"] = measure_raw(pool, env, settings)
+                    rate = report["raw_baseline"]["two_aggregates"]["transactions_per_second"]
+                if "placement" in wanted:
+                    report["placement"] = measure_placement(
+                        pool, app, env, settings, rate, progress
+                    )
+                if "contention" in wanted:
+                    report["contention"] = measure_contention(pool, app, env, settings, progress)
+            if "selection" in wanted:
+                report["selection"] = measure_selection(app, settings, progress)
+            if "replay" in wanted:
+                report["replay"] = measure_replay(app, progress)
+                report["replay"]["events_in_log"] = app.event_count()
+        finally:
+            app.close()
+        if "history" in wanted:
+            report["history"] = measure_history_section(env, settings, progress)
+    report["goals"] = evaluate_goals(report)
+    report["wall_seconds"] = round(time.perf_counter() - started, 1)
+    return report

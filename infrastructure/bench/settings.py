@@ -1,0 +1,73 @@
+"""What one ``secondbox-scheduler bench`` run measures: its sections, the sizes and
+durations of a full or ``--quick`` run, and where it reports progress."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+SECTIONS = ("raw", "placement", "contention", "selection", "history", "replay")
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """Sizes and durations of one run (``full`` or ``quick``)."""
+
+    workers: int = 4
+    runners: int = 1000
+    quick: bool = False
+    seed: int = 7
+    raw_seconds: float = 10.0
+    placement_seconds: float = 15.0
+    contention_sandboxes: int = 3000  # a fixed amount of work, comparable across runs
+    selection_sizes: tuple[int, ...] = (100, 1_000, 10_000)
+    select_calls: tuple[int, ...] = (50, 20, 5)
+    create_calls: tuple[int, ...] = (20, 10, 5)
+    history_sizes: tuple[int, ...] = (10, 1_000, 100_000)
+    history_repeat: int = 15
+    sections: tuple[str, ...] = SECTIONS
+
+    @classmethod
+    def make(
+        cls,
+        *,
+        quick: bool = False,
+        workers: int = 4,
+        runners: int | None = None,
+        seed: int = 7,
+        seconds: float | None = None,
+        sections: tuple[str, ...] = SECTIONS,
+    ) -> BenchSettings:
+        if quick:
+            base = cls(
+                workers=workers,
+                runners=runners or 200,
+                quick=True,
+                seed=seed,
+                raw_seconds=1.5,
+                placement_seconds=2.0,
+                contention_sandboxes=400,
+                selection_sizes=(30, 300, 3_000),
+                select_calls=(20, 10, 5),
+                create_calls=(5, 5, 3),
+                history_sizes=(10, 1_000, 10_000),
+                history_repeat=7,
+                sections=sections,
+            )
+        else:
+            base = cls(workers=workers, runners=runners or 1000, seed=seed, sections=sections)
+        if seconds is not None:
+            base = cls(
+                **{
+                    **asdict(base),
+                    "raw_seconds": seconds,
+                    "placement_seconds": seconds,
+                }
+            )
+        return base
+
+    def to_dict(self) -> dict[str, Any]:
+        return {key: list(v) if isinstance(v, tuple) else v for key, v in asdict(self).items()}

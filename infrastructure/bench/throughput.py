@@ -1,0 +1,169 @@
+"""Throughput of ``secondbox-scheduler bench`` from W worker processes: the raw
+eventsourcing baseline, placement over runners with spare capacity, and contention on
+a few hot runners (with reserved <= allocatable checked on them at the end)."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.bench.fleet import (
+    bench_requirements,
+    create_homed_sandboxes,
+    register_fleet,
+    roomy_fleet,
+)
+from secondbox_scheduler.infrastructure.bench.settings import BenchSettings, Progress
+from secondbox_scheduler.infrastructure.bench.timing import now
+from secondbox_scheduler.infrastructure.bench.workers import (
+    RawJob,
+    ScheduleJob,
+    WorkerPool,
+    summarize,
+)
+
+HOT_RUNNERS = 4
+HOT_FILL = 0.95  # hot runners hold room for this share of the contention sandboxes
+SERIALIZATION_RETRY_LIMIT = 8
+
+
+def measure_raw(pool: WorkerPool, env: dict[str, str], settings: BenchSettings) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for key, per_transaction in (("one_aggregate", 1), ("two_aggregates", 2)):
+        jobs: list[RawJob | ScheduleJob] = [
+            RawJob(env, per_transaction, settings.raw_seconds) for _ in range(pool.workers)
+        ]
+        summary = summarize(pool.run(jobs), count="saved")
+        summary["aggregates_per_transaction"] = per_transaction
+        summary["transactions_per_second"] = summary.pop("per_second")
+        found[key] = summary
+    return found
+
+
+def _spread(ids: list[str], workers: int) -> list[list[str]]:
+    return [ids[index::workers] for index in range(workers)]
+
+
+def measure_placement(
+    pool: WorkerPool,
+    app: SchedulerApplication,
+    env: dict[str, str],
+    settings: BenchSettings,
+    expected_rate: float,
+    progress: Progress,
+) -> dict[str, Any]:
+    rng = random.Random(settings.seed)
+    pool_name = "place"
+    at = now()
+    count = math.ceil(expected_rate * settings.placement_seconds * 1.5) + 50 * settings.workers
+    progress(f"placement: registering {settings.runners:,} runners, creating {count:,} sandboxes")
+    fleet = roomy_fleet(pool_name, settings.runners, instances=100_000)
+    snapshots = register_fleet(app, fleet, at)
+    runner_ids = [spec.runner_id for spec in fleet]
+    homes = {f"place-{index:07d}": rng.choice(runner_ids) for index in range(count)}
+    create_homed_sandboxes(
+        app,
+        [(sandbox_id, snapshots[home]) for sandbox_id, home in homes.items()],
+        bench_requirements(pool_name),
+        at,
+    )
+    progress(f"placement: {settings.workers} workers for {settings.placement_seconds:g}s")
+    jobs: list[RawJob | ScheduleJob] = [
+        ScheduleJob(
+            env=env,
+            pool_name=pool_name,
+            sandbox_ids=tuple(ids),
+            warm_runner_ids=tuple(sorted({homes[i] for i in ids})),
+            seconds=settings.placement_seconds,
+            seed=settings.seed,
+            serialization_retry_limit=SERIALIZATION_RETRY_LIMIT,
+        )
+        for ids in _spread(list(homes), settings.workers)
+    ]
+    summary = summarize(pool.run(jobs))
+    summary["runners"] = settings.runners
+    summary["sandboxes_prepared"] = count
+    return summary
+
+
+def measure_contention(
+    pool: WorkerPool,
+    app: SchedulerApplication,
+    env: dict[str, str],
+    settings: BenchSettings,
+    progress: Progress,
+) -> dict[str, Any]:
+    rng = random.Random(settings.seed + 1)
+    pool_name = "hot"
+    at = now()
+    count = settings.contention_sandboxes
+    room = math.ceil(count * HOT_FILL / HOT_RUNNERS)
+    progress(f"contention: {count:,} sandboxes on {HOT_RUNNERS} runners with room for {room:,}")
+    fleet = roomy_fleet(pool_name, HOT_RUNNERS, instances=room)
+    snapshots = register_fleet(app, fleet, at)
+    runner_ids = [spec.runner_id for spec in fleet]
+    sandbox_ids = [f"hot-{index:07d}" for index in range(count)]
+    homes = {
+        sandbox_id: runner_ids[index % HOT_RUNNERS] for index, sandbox_id in enumerate(sandbox_ids)
+    }
+    rng.shuffle(sandbox_ids)
+    create_homed_sandboxes(
+        app,
+        [(sandbox_id, snapshots[homes[sandbox_id]]) for sandbox_id in sandbox_ids],
+        bench_requirements(pool_name),
+        at,
+    )
+    progress(f"contention: {settings.workers} workers scheduling every sandbox")
+    jobs: list[RawJob | ScheduleJob] = [
+        ScheduleJob(
+            env=env,
+            pool_name=pool_name,
+            sandbox_ids=tuple(ids),
+            warm_runner_ids=tuple(runner_ids),
+            seconds=None,
+            seed=settings.seed,
+            serialization_retry_limit=SERIALIZATION_RETRY_LIMIT,
+        )
+        for ids in _spread(sandbox_ids, settings.workers)
+    ]
+    summary = summarize(pool.run(jobs))
+    summary["goodput_per_second"] = summary.pop("per_second")
+    summary["sandboxes"] = count
+    summary["hot_runners"] = HOT_RUNNERS
+    summary["room_per_runner"] = room
+    summary["hot_runner_state"] = _hot_runner_state(env, runner_ids, summary["placed"])
+    return summary
+
+
+def _hot_runner_state(env: dict[str, str], runner_ids: list[str], placed: int) -> dict[str, Any]:
+    """Reserved against allocatable on the hot runners, folded from their streams by a
+    new application (no cache shared with the workers)."""
+    checker = SchedulerApplication(env=env)
+    try:
+        rows = []
+        oversubscribed = 0
+        reservations = 0
+        for runner_id in runner_ids:
+            snapshot = checker.fold_runner(runner_id)
+            reserved, allocatable = snapshot.reserved.as_dict(), snapshot.allocatable.as_dict()
+            over = [dim for dim in reserved if reserved[dim] > allocatable[dim]]
+            oversubscribed += bool(over)
+            reservations += len(checker.fold_runner_assignments(runner_id))
+            rows.append(
+                {
+                    "runner_id": runner_id,
+                    "reserved_instances": reserved["instances"],
+                    "allocatable_instances": allocatable["instances"],
+                    "oversubscribed_dimensions": over,
+                }
+            )
+    finally:
+        checker.close()
+    return {
+        "runners": rows,
+        "oversubscribed_runners": oversubscribed,
+        "reservations": reservations,
+        "reservations_match_placements": reservations == placed,
+    }
