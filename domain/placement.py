@@ -107,14 +107,14 @@ def _check_backend(ctx: _Context, runner: RunnerSnapshot) -> RuleFailure | None:
 
 def _check_materialization(ctx: _Context, runner: RunnerSnapshot) -> RuleFailure | None:
     requirements = ctx.requirements
-    if CAPABILITY_CLIENT_SELECTED_IMAGE in requirements.required_capabilities:
-        return None
     digests = requirements.preferred_artifact_digests
-    if len(digests) != 2:
+    if len(digests) != 2:  # always, also when the client selects the image
         return RuleFailure(
             MATERIALIZATION,
             f"preferred artifact digests must be exactly [runtime, toolchain], got {len(digests)}",
         )
+    if CAPABILITY_CLIENT_SELECTED_IMAGE in requirements.required_capabilities:
+        return None
     runtime, toolchain = digests
     for item in runner.materializations:
         if (

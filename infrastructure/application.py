@@ -68,6 +68,7 @@ A = TypeVar("A")
 
 BACKOFF_BASE_SECONDS = 0.002
 BACKOFF_CAP_SECONDS = 0.250
+BACKOFF_MAX_EXPONENT = 10  # 2 ms * 2**10 is past the cap already; 2.0**1024 overflows
 COMMAND_RETRY_LIMIT = 32  # conflicts tolerated by commands other than schedule
 DEFAULT_LEASE_RENEWAL = timedelta(seconds=10)
 
@@ -77,8 +78,10 @@ def system_now() -> datetime:
 
 
 def backoff_ceiling(retry: int) -> float:
-    """Upper bound of the full-jitter draw before retry number ``retry`` (0-based)."""
-    return min(BACKOFF_BASE_SECONDS * 2.0**retry, BACKOFF_CAP_SECONDS)
+    """Upper bound of the full-jitter draw before retry number ``retry`` (0-based),
+    defined for every retry: the exponent is capped, as the original caps it."""
+    exponent = min(max(retry, 0), BACKOFF_MAX_EXPONENT)
+    return min(BACKOFF_BASE_SECONDS * 2.0**exponent, BACKOFF_CAP_SECONDS)
 
 
 @dataclass

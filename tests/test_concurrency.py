@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from eventsourcing.persistence import IntegrityError
 
 from secondbox_scheduler.domain import (
     Capacity,
@@ -67,6 +68,29 @@ def test_backoff_ceiling_doubles_from_2ms_to_a_250ms_cap() -> None:
         0.25,
         0.25,
     ]
+
+
+@pytest.mark.parametrize("retry", [10, 64, 1024, 10**6])
+def test_backoff_ceiling_is_defined_for_every_attempt(retry: int) -> None:
+    assert backoff_ceiling(retry) == 0.25  # the exponent is capped (at 10, as the original)
+
+
+def test_a_schedule_that_keeps_losing_races_ends_in_contention_not_overflow(
+    store: Store, clock: Clock
+) -> None:
+    delays: list[float] = []
+    app = store.open(sleep=delays.append)
+    register(app, "r1", at=clock())
+    create_sandbox(app, "s1")
+
+    def always_lose(*_: Any, **__: Any) -> None:
+        raise IntegrityError("a rival committed first")
+
+    app.save = always_lose  # type: ignore[method-assign]
+    with pytest.raises(SerializationContentionError):
+        app.schedule(schedule_request("s1", clock(), serialization_retry_limit=1100))
+    assert len(delays) == 1100  # retries 0..1099: past 2 ** 1024, which overflows a float
+    assert max(delays) <= 0.25
 
 
 def test_contention_past_the_limit_raises_and_writes_nothing(store: Store, clock: Clock) -> None:

@@ -530,27 +530,41 @@ def test_materialization_must_match_in_one_entry_not_across_entries() -> None:
 
 
 def test_materialization_skipped_for_client_selected_image() -> None:
-    requirements = make_requirements(
-        required_capabilities={"client-selected-image"}, preferred_artifact_digests=()
-    )
+    requirements = make_requirements(required_capabilities={"client-selected-image"})
     runner = make_runner(
         capabilities=BASE_CAPABILITIES | {"client-selected-image"}, materializations=()
     )
     assert codes(runner, requirements) == ()
     # Without the skip, the same runner and digests fail only materialization.
-    assert codes(runner, make_requirements(preferred_artifact_digests=())) == ("materialization",)
+    assert codes(runner, make_requirements()) == ("materialization",)
 
 
-def test_materialization_skip_ignores_wrong_digests_and_wrong_materializations() -> None:
-    requirements = make_requirements(
-        required_capabilities={"client-selected-image"},
-        preferred_artifact_digests=("sha256:a", "sha256:b", "sha256:c"),
-    )
+def test_materialization_skip_ignores_wrong_materializations() -> None:
+    requirements = make_requirements(required_capabilities={"client-selected-image"})
     runner = make_runner(
         capabilities=BASE_CAPABILITIES | {"client-selected-image"},
         materializations=(materialization(digest="", backend_kind="qemu"),),
     )
     assert codes(runner, requirements) == ()
+
+
+@pytest.mark.parametrize(
+    "digests", [(), ("sha256:a",), ("sha256:a", "sha256:b", "sha256:c")], ids=["0", "1", "3"]
+)
+@pytest.mark.parametrize("client_selected", [False, True], ids=["pinned", "client-selected"])
+def test_preferred_digests_must_be_exactly_runtime_and_toolchain(
+    digests: tuple[str, ...], client_selected: bool
+) -> None:
+    """As the original: requirements without exactly [runtime, toolchain] digests are
+    compatible with no runner, even when the client selects the image."""
+    wanted = {"client-selected-image"} if client_selected else set()
+    requirements = make_requirements(
+        required_capabilities=wanted, preferred_artifact_digests=digests
+    )
+    runner = make_runner(capabilities=BASE_CAPABILITIES | {"client-selected-image"})
+    assert codes(runner, requirements) == ("materialization",)
+    with pytest.raises(NoCompatibleRunnerError):
+        select_runner(requirements, [runner], NOW, TIMEOUT)
 
 
 # --- guest protocol
