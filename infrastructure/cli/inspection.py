@@ -23,6 +23,7 @@ from secondbox_scheduler.infrastructure.cli.common import (
 )
 from secondbox_scheduler.infrastructure.settings import DEFAULT_SQLITE_URL
 
+# This module's top-level commands; the package's __init__ adds them to the app `cli`.
 commands = typer.Typer()
 
 

@@ -37,6 +37,7 @@ from secondbox_scheduler.infrastructure.simulation import (
     run_simulation,
 )
 
+# This module's top-level commands; the package's __init__ adds them to the app `cli`.
 commands = typer.Typer()
 
 
