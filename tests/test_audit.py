@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from datetime import timedelta
 from typing import Any
@@ -310,18 +311,22 @@ def test_explain_records_refusals_without_reserving(
     assert verify(app).ok
 
 
+def database_url(app: SchedulerApplication) -> str:
+    """The --database-url of the application's store."""
+    env = app.env
+    if env.get("PERSISTENCE_MODULE") == "eventsourcing.sqlite":
+        return f"sqlite:///{env.get('SQLITE_DBNAME')}"
+    return (
+        f"postgresql://{env.get('POSTGRES_USER')}:{env.get('POSTGRES_PASSWORD', '')}@"
+        f"{env.get('POSTGRES_HOST')}:{env.get('POSTGRES_PORT')}/{env.get('POSTGRES_DBNAME')}"
+        f"?schema={env.get('POSTGRES_SCHEMA')}"
+    )
+
+
 def test_cli_verify_exits_non_zero_on_a_violation(
     history: SchedulerApplication, clock: Clock, tmp_path: Any
 ) -> None:
-    env = history.env
-    if env.get("PERSISTENCE_MODULE") == "eventsourcing.sqlite":
-        url = f"sqlite:///{env.get('SQLITE_DBNAME')}"
-    else:
-        url = (
-            f"postgresql://{env.get('POSTGRES_USER')}:{env.get('POSTGRES_PASSWORD', '')}@"
-            f"{env.get('POSTGRES_HOST')}:{env.get('POSTGRES_PORT')}/{env.get('POSTGRES_DBNAME')}"
-            f"?schema={env.get('POSTGRES_SCHEMA')}"
-        )
+    url = database_url(history)
     runner = CliRunner()
     clean = runner.invoke(cli, ["audit", "verify", "--database-url", url, "--json"])
     assert clean.exit_code == 0, clean.output
@@ -332,6 +337,29 @@ def test_cli_verify_exits_non_zero_on_a_violation(
     broken = runner.invoke(cli, ["audit", "verify", "--database-url", url])
     assert broken.exit_code == 1
     assert "invariant-1" in broken.output
+
+
+def test_cli_explain_takes_the_sandbox_as_an_option_or_as_before_an_argument(
+    history: SchedulerApplication,
+) -> None:
+    url = database_url(history)
+    runner = CliRunner()
+
+    def explained(*args: str) -> Any:
+        result = runner.invoke(cli, ["audit", "explain", *args, "--database-url", url, "--json"])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    documented = explained("--sandbox", "s1")
+    assert documented["decisions"]
+    assert explained("s1") == documented
+    assert explained("s1", "--sandbox", "s1") == documented
+    generation = explained("--sandbox", "s1", "--generation", "1")
+    assert explained("s1", "--generation", "1") == generation
+    for args in (["s2", "--sandbox", "s1"], []):
+        refused = runner.invoke(cli, ["audit", "explain", *args, "--database-url", url])
+        assert refused.exit_code == 2
+        assert "--sandbox" in refused.output
 
 
 def test_a_clean_history_from_simulate_verifies(postgres_schema: Any, tmp_path: Any) -> None:

@@ -1,0 +1,58 @@
+"""The ``secondbox-scheduler`` command line: simulate a fleet, inspect runners and assignments.
+
+Every command reads the store named by ``--database-url`` (or the
+``SECONDBOX_DATABASE_URL`` environment variable), prints rich tables for people or,
+with ``--json``, JSON only on stdout. A refusal of the scheduler (any
+:class:`~domain.errors.SchedulerError`) or an unreachable store is one line on
+stderr and exit code 2.
+
+This module builds the typer app ``cli`` from the command groups, one module each:
+``simulate``, ``inspection`` (``runners``, ``assignments``), ``faults`` (``verify``),
+``lifecycle`` (``reconcile``, ``release``), ``projections``, ``audit`` and ``bench``;
+``common`` holds what they share.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from secondbox_scheduler.infrastructure.cli import (
+    audit,
+    bench,
+    faults,
+    inspection,
+    lifecycle,
+    projections,
+    simulate,
+)
+
+__all__ = ["cli", "main"]
+
+cli = typer.Typer(
+    name="secondbox-scheduler",
+    help=(
+        "Event-sourced scheduler of the SecondBox sandbox platform: placement, capacity "
+        "reservation and fenced assignment authority.\n\n"
+        "Start with [bold]secondbox-scheduler simulate[/bold] to fill ./secondbox.db with a "
+        "seeded fleet, then look at it with [bold]runners[/bold] and [bold]assignments[/bold]."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="rich",
+    pretty_exceptions_show_locals=False,
+)
+# The top-level commands, in the order --help lists them; then the command groups.
+cli.registered_commands += [
+    *simulate.commands.registered_commands,
+    *inspection.commands.registered_commands,
+    *faults.commands.registered_commands,
+    *lifecycle.commands.registered_commands,
+]
+cli.add_typer(projections.projections_cli, name="projections")
+cli.add_typer(audit.audit_cli, name="audit")
+cli.add_typer(bench.bench_cli, name="bench")
+
+
+def main() -> None:
+    """Console-script entry point (``secondbox-scheduler``)."""
+    cli()

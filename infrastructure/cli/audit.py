@@ -1,0 +1,231 @@
+"""The ``audit`` command group: verify, state, timeline and explain, replayed from the events."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from secondbox_scheduler.infrastructure.cli.common import (
+    DatabaseUrl,
+    JsonOutput,
+    format_time,
+    open_store,
+    print_json,
+    reported_errors,
+    stdout,
+    store_errors,
+)
+from secondbox_scheduler.infrastructure.cli.inspection import (
+    assignment_json,
+    assignment_table,
+    runner_table,
+)
+from secondbox_scheduler.infrastructure.settings import DEFAULT_SQLITE_URL
+
+audit_cli = typer.Typer(
+    help=(
+        "Audit replay of the scheduling history from the events alone: verify every "
+        "invariant, show the state at any point, timelines, and why each placement was "
+        "made. See docs/audit.md."
+    ),
+    no_args_is_help=True,
+)
+UntilOption = Annotated[
+    str | None,
+    typer.Option(
+        "--until", help="Stop at a notification POSITION or at the first event after an ISO TIME."
+    ),
+]
+
+
+@audit_cli.command(
+    "verify",
+    help=(
+        "Replay the whole notification log through a pure fold (no cache, no projection) and "
+        "check invariants 1 to 6 after every event, and every placement against the "
+        "reconstructed runner state and its recorded evidence. Exits 1 listing each "
+        "violation (position, aggregate, event, rule).\n\n[bold]Examples[/bold]\n\n"
+        "  secondbox-scheduler audit verify\n"
+        "  secondbox-scheduler audit verify --until 2026-11-29T12:00:00Z --json"
+    ),
+)
+def audit_verify(
+    database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
+    until: UntilOption = None,
+    as_json: JsonOutput = False,
+) -> None:
+    from secondbox_scheduler.infrastructure.audit_replay import parse_until, verify
+
+    with reported_errors(), store_errors(database_url):
+        app = open_store(database_url)
+        limit = parse_until(until)
+        total = app.event_count()
+        with Progress(
+            TextColumn("verifying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=Console(stderr=True), disable=as_json, transient=True,
+        ) as bar:  # fmt: skip
+            task = bar.add_task("verify", total=total)
+            report = verify(app, limit, progress=lambda n: bar.advance(task, n))
+        app.close()
+    if as_json:
+        print_json(report.to_dict())
+    else:
+        console = stdout()
+        for violation in report.violations:
+            console.print(f"[red]violation[/red] {escape(str(violation))}")
+        verdict = (
+            "[green]OK[/green]"
+            if report.ok
+            else f"[red]{len(report.violations)} violation(s)[/red]"
+        )
+        console.print(
+            f"{verdict}: {report.events:,} events checked up to position {report.position:,} in "
+            f"{report.seconds:.2f}s ({report.events_per_second:,.0f} events/s; raw notification "
+            f"read {report.raw_events_per_second:,.0f} events/s)"
+        )
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@audit_cli.command(
+    "state",
+    help=(
+        "Every runner snapshot and assignment as they stood at a notification position or a "
+        "time.\n\n[bold]Example[/bold]\n\n  secondbox-scheduler audit state --at 5000"
+    ),
+)
+def audit_state(
+    at: Annotated[str, typer.Option("--at", help="POSITION or ISO TIME.")],
+    database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
+    as_json: JsonOutput = False,
+) -> None:
+    from secondbox_scheduler.infrastructure.audit_replay import parse_until, state_at
+
+    with reported_errors(), store_errors(database_url):
+        app = open_store(database_url)
+        state = state_at(app, parse_until(at))
+        app.close()
+    if as_json:
+        print_json({
+            "position": state.position,
+            "runners": [r.to_record() for r in state.runners],
+            "assignments": [assignment_json(a) for a in state.assignments],
+        })  # fmt: skip
+        return
+    console = stdout()
+    console.print(f"state at position {state.position:,}")
+    console.print(runner_table(state.runners))
+    console.print(assignment_table(state.assignments, f"Assignments ({len(state.assignments)})"))
+
+
+@audit_cli.command(
+    "timeline",
+    help=(
+        "One sandbox's history (with its refused placements) or one runner's (with its "
+        "heartbeat lease), in time order.\n\n[bold]Examples[/bold]\n\n"
+        "  secondbox-scheduler audit timeline --sandbox sbx-0001\n"
+        "  secondbox-scheduler audit timeline --runner general-01"
+    ),
+)
+def audit_timeline(
+    sandbox: Annotated[str | None, typer.Option("--sandbox", help="Sandbox id.")] = None,
+    runner: Annotated[str | None, typer.Option("--runner", help="Runner id.")] = None,
+    database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
+    as_json: JsonOutput = False,
+) -> None:
+    from secondbox_scheduler.infrastructure.audit_replay import timeline
+
+    if (sandbox is None) == (runner is None):
+        raise typer.BadParameter("give exactly one of --sandbox ID or --runner ID")
+    with reported_errors(), store_errors(database_url):
+        app = open_store(database_url)
+        entries = timeline(app, sandbox_id=sandbox, runner_id=runner)
+        app.close()
+    if as_json:
+        print_json([entry.to_dict() for entry in entries])
+        return
+    table = Table(
+        title=f"Timeline of {'sandbox ' + str(sandbox) if sandbox else 'runner ' + str(runner)}",
+        box=box.SIMPLE,
+    )
+    for column in ("time", "stream", "v", "event", "fields"):
+        table.add_column(column)
+    for entry in entries:
+        fields = ", ".join(f"{k}={v}" for k, v in entry.fields.items())
+        table.add_row(
+            format_time(entry.time), entry.stream, str(entry.version), entry.event, escape(fields)
+        )
+    stdout().print(table)
+
+
+@audit_cli.command(
+    "explain",
+    help=(
+        "Why this sandbox's home runner, why each generation's runner, and why each refused "
+        "placement: every candidate's reason codes and capacity shortfall, and a one-line "
+        "summary in kube-scheduler's manner, from the evidence recorded at decision time."
+        "\n\n[bold]Examples[/bold]\n\n"
+        "  secondbox-scheduler audit explain --sandbox sbx-0001\n"
+        "  secondbox-scheduler audit explain --sandbox sbx-0001 --generation 2 --json"
+    ),
+)
+def audit_explain(
+    sandbox: Annotated[str | None, typer.Option("--sandbox", help="Sandbox id.")] = None,
+    generation: Annotated[
+        int | None, typer.Option("--generation", help="Only this generation.")
+    ] = None,
+    database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
+    as_json: JsonOutput = False,
+    positional: Annotated[
+        str | None,
+        typer.Argument(hidden=True, metavar="SANDBOX", help="Older spelling of --sandbox."),
+    ] = None,
+) -> None:
+    from secondbox_scheduler.infrastructure.audit_replay import explain
+
+    sandbox_id = _one_sandbox(sandbox, positional)
+    with reported_errors(), store_errors(database_url):
+        app = open_store(database_url)
+        explanation = explain(app, sandbox_id, generation)
+        app.close()
+    if as_json:
+        print_json(explanation.to_dict())
+        return
+    console = stdout()
+    console.print(f"[bold]sandbox {escape(sandbox_id)}[/bold]")
+    for decision in explanation.decisions:
+        console.print(
+            f"\n[bold]{escape(decision.title)}[/bold] at {format_time(decision.decided_at)} "
+            f"(heartbeat timeout {decision.heartbeat_timeout_seconds:g}s)"
+        )
+        console.print(f"  {escape(decision.summary)}")
+        for key, value in decision.detail.items():
+            console.print(f"  {key}: {escape(str(value))}")
+        for line in decision.candidates:
+            reasons = "; ".join(
+                r["code"] + (f" (short {r['shortfall']})" if r.get("shortfall") else "")
+                for r in line.reasons
+            )
+            rank = ""
+            if line.rank:
+                rank = ", ".join(f"{k} {v:,}" for k, v in line.rank.items())
+            console.print(f"  {line.runner_id:<16} {line.verdict:<26} {escape(reasons or rank)}")
+
+
+def _one_sandbox(option: str | None, positional: str | None) -> str:
+    """The sandbox id given as --sandbox ID or, as before, as the positional argument."""
+    if option is not None and positional is not None and option != positional:
+        raise typer.BadParameter(
+            f"--sandbox {option} and SANDBOX {positional} differ; give the sandbox once",
+            param_hint="'--sandbox' / 'SANDBOX'",
+        )
+    found = option if option is not None else positional
+    if found is None:
+        raise typer.BadParameter("give the sandbox with --sandbox ID", param_hint="'--sandbox'")
+    return found

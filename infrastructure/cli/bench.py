@@ -1,0 +1,190 @@
+"""The ``bench`` command group: the scheduler benchmark, and ``bench history``, runner load cost."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from secondbox_scheduler.infrastructure.cli.common import (
+    JsonOutput,
+    fail,
+    print_json,
+    redact,
+    reported_errors,
+    stdout,
+    store_env,
+    store_errors,
+)
+from secondbox_scheduler.infrastructure.settings import DATABASE_URL
+
+BENCH_HELP = (
+    "Benchmarks that print figures (never timed tests). See docs/performance.md.\n\n"
+    "Without a subcommand: the scheduler benchmark. It creates a fresh database (a new "
+    "database on the local PostgreSQL server, or a new schema in the database of "
+    "--database-url, or a new SQLite file), dropped at the end unless --keep, and "
+    "measures: (1) the raw eventsourcing baseline, new aggregates saved one and two per "
+    "transaction by W worker processes; (2) placement throughput of W workers scheduling "
+    "over R runners with spare capacity; (3) contention, 3,000 sandboxes homed on 4 runners; "
+    "(4) select_runner and create_sandbox over 100, 1,000 and 10,000 runners; (5) loading "
+    "a runner after 10, 1,000 and 100,000 events; (6) projection rebuild and audit verify "
+    "against the raw notification read rate. Prints a table per measurement and each "
+    "goal as met or not met.\n\n"
+    "[bold]Examples[/bold]\n\n"
+    "  secondbox-scheduler bench\n"
+    "  secondbox-scheduler bench --quick --json\n"
+    "  secondbox-scheduler bench --quick --database-url sqlite:////tmp/bench-new.db\n"
+    "  secondbox-scheduler bench --only raw,placement --workers 2"
+)
+
+bench_cli = typer.Typer(help=BENCH_HELP, invoke_without_command=True)
+
+
+@bench_cli.callback(invoke_without_command=True)
+def bench(
+    ctx: typer.Context,
+    database_url: Annotated[
+        str | None,
+        typer.Option(
+            "--database-url",
+            help=(
+                "Run elsewhere than in a new database on the local PostgreSQL server: "
+                "postgresql://... (a new schema in that database) or sqlite:////new/file.db "
+                "(a file that must not exist yet)."
+            ),
+        ),
+    ] = None,
+    workers: Annotated[int, typer.Option("--workers", min=1, help="Worker processes (W).")] = 4,
+    runners: Annotated[
+        int | None,
+        typer.Option(
+            "--runners",
+            min=1,
+            help="Runners of the placement run (R): 1000, or 200 with --quick.",
+        ),
+    ] = None,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="Smaller sizes and shorter runs (under a minute).")
+    ] = False,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of every random choice.")] = 7,
+    seconds: Annotated[
+        float | None,
+        typer.Option(
+            "--seconds", min=0.1, help="Length of the timed runs (raw baseline, placement)."
+        ),
+    ] = None,
+    only: Annotated[
+        str | None,
+        typer.Option(
+            "--only",
+            help="Comma-separated sections: raw,placement,contention,selection,history,replay.",
+        ),
+    ] = None,
+    keep: Annotated[
+        bool, typer.Option("--keep", help="Keep the benchmark's database for inspection.")
+    ] = False,
+    as_json: JsonOutput = False,
+) -> None:
+    if ctx.invoked_subcommand is not None:
+        return
+    from secondbox_scheduler.infrastructure.bench import SECTIONS, BenchSettings, run_bench
+    from secondbox_scheduler.infrastructure.bench_report import print_report
+    from secondbox_scheduler.infrastructure.bench_workers import BenchError
+
+    sections = SECTIONS if only is None else tuple(p.strip() for p in only.split(",") if p.strip())
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown or not sections:
+        fail(f"--only takes sections among {', '.join(SECTIONS)}; got {only!r}")
+    settings = BenchSettings.make(
+        quick=quick, workers=workers, runners=runners, seed=seed, seconds=seconds,
+        sections=sections,
+    )  # fmt: skip
+    err = Console(stderr=True, highlight=False)
+    try:
+        with reported_errors():
+            report = run_bench(
+                settings,
+                database_url,
+                keep=keep,
+                progress=(lambda _: None) if as_json else (lambda m: err.print(f"[dim]{m}…[/dim]")),
+            )
+    except BenchError as error:
+        fail(escape(str(error)))
+    if as_json:
+        print_json(report)
+    else:
+        print_report(report, stdout())
+
+
+@bench_cli.command(
+    "history",
+    help=(
+        "Time loading a runner whose stream holds 10, 1,000 and 100,000 events: cold "
+        "(snapshot + tail), warm (aggregate cache, fast-forward) and full replay (no "
+        "snapshots), with ratios against the smallest history.\n\n"
+        "[bold]Example[/bold]\n\n"
+        "  secondbox-scheduler bench history --database-url sqlite:////tmp/bench.db"
+    ),
+)
+def bench_history(
+    database_url: Annotated[
+        str,
+        typer.Option(
+            "--database-url",
+            envvar=DATABASE_URL,
+            help="Store to build the histories in (new runners are added; nothing is removed).",
+        ),
+    ] = "sqlite:///secondbox-bench.db",
+    sizes: Annotated[
+        str, typer.Option("--sizes", help="Comma-separated history sizes, smallest first.")
+    ] = "10,1000,100000",
+    repeat: Annotated[int, typer.Option("--repeat", min=1, help="Loads timed per figure.")] = 15,
+    as_json: JsonOutput = False,
+) -> None:
+    from secondbox_scheduler.infrastructure.history_benchmark import measure_history
+
+    try:
+        wanted = [int(part) for part in sizes.split(",") if part.strip()]
+    except ValueError:
+        fail(f"--sizes must be comma-separated integers, got {sizes!r}")
+    if not wanted or min(wanted) < 1:
+        fail("--sizes needs at least one size of 1 or more")
+    err = Console(stderr=True, highlight=False)
+    with reported_errors(), store_errors(database_url):
+        rows = measure_history(
+            store_env(database_url),
+            wanted,
+            repeat,
+            progress=(lambda _: None) if as_json else (lambda m: err.print(f"[dim]{m}…[/dim]")),
+        )
+    if as_json:
+        print_json({"database_url": redact(database_url), "rows": [r.to_dict() for r in rows]})
+        return
+    table = Table(title=f"Runner load cost by history ({redact(database_url)})", box=box.SIMPLE)
+    for column in (
+        "events",
+        "snapshot at",
+        "tail",
+        "cold ms",
+        "ratio",
+        "warm ms",
+        "ratio",
+        "replay ms",
+    ):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(
+            f"{row.events:,}",
+            "-" if row.snapshot_version is None else f"{row.snapshot_version:,}",
+            f"{row.tail_events:,}",
+            f"{row.cold_ms:.2f}",
+            f"{row.cold_ratio:.2f}",
+            f"{row.warm_ms:.3f}",
+            f"{row.warm_ratio:.2f}",
+            f"{row.replay_ms:.1f}",
+        )
+    stdout().print(table)
