@@ -86,7 +86,7 @@ def test_a_schedule_that_keeps_losing_races_ends_in_contention_not_overflow(
     def always_lose(*_: Any, **__: Any) -> None:
         raise IntegrityError("a rival committed first")
 
-    app.save = always_lose  # type: ignore[method-assign]
+    app.save = always_lose  # type: ignore[method-assign, assignment]
     with pytest.raises(SerializationContentionError):
         app.schedule(schedule_request("s1", clock(), serialization_retry_limit=1100))
     assert len(delays) == 1100  # retries 0..1099: past 2 ** 1024, which overflows a float

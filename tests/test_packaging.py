@@ -61,8 +61,10 @@ def test_the_wheel_holds_only_the_secondbox_scheduler_package(wheel: Path) -> No
     version = secondbox_scheduler.__version__
     assert tops == {"secondbox_scheduler", f"secondbox_scheduler-{version}.dist-info"}
     for layer in ("domain", "projections", "infrastructure"):
-        assert f"secondbox_scheduler/{layer}/__init__.py" in names
         assert f"secondbox_scheduler/{layer}/py.typed" in names
+        # every module of the layer, subpackages included (setuptools lists them by name)
+        for module in (ROOT / layer).rglob("*.py"):
+            assert f"secondbox_scheduler/{layer}/{module.relative_to(ROOT / layer)}" in names
     assert "secondbox_scheduler/py.typed" in names
 
 

@@ -91,9 +91,13 @@ def bench(
 ) -> None:
     if ctx.invoked_subcommand is not None:
         return
-    from secondbox_scheduler.infrastructure.bench import SECTIONS, BenchSettings, run_bench
-    from secondbox_scheduler.infrastructure.bench_report import print_report
-    from secondbox_scheduler.infrastructure.bench_workers import BenchError
+    from secondbox_scheduler.infrastructure.bench import (
+        SECTIONS,
+        BenchError,
+        BenchSettings,
+        print_report,
+        run_bench,
+    )
 
     sections = SECTIONS if only is None else tuple(p.strip() for p in only.split(",") if p.strip())
     unknown = sorted(set(sections) - set(SECTIONS))
@@ -145,7 +149,7 @@ def bench_history(
     repeat: Annotated[int, typer.Option("--repeat", min=1, help="Loads timed per figure.")] = 15,
     as_json: JsonOutput = False,
 ) -> None:
-    from secondbox_scheduler.infrastructure.history_benchmark import measure_history
+    from secondbox_scheduler.infrastructure.bench import measure_history
 
     try:
         wanted = [int(part) for part in sizes.split(",") if part.strip()]

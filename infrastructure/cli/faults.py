@@ -55,24 +55,35 @@ def verify_command(
     sandboxes: Annotated[int, typer.Option("--sandboxes", min=1)] = 120,
     seed: Annotated[int, typer.Option("--seed")] = 7,
     keep: Annotated[bool, typer.Option("--keep", help="Keep the database afterwards.")] = False,
-    journal_dir: Annotated[
-        str, typer.Option("--journal-dir", help="Where the workers' journals go.")
-    ] = "verify-run",
+    log_dir: Annotated[
+        str | None,
+        typer.Option(
+            "--log-dir",
+            "--journal-dir",
+            help=(
+                "Where the workers' journals and logs go (default: a new temporary "
+                "directory; the run prints where)."
+            ),
+        ),
+    ] = None,
     as_json: JsonOutput = False,
 ) -> None:
     from pathlib import Path
 
-    from secondbox_scheduler.infrastructure.verify import VerifyConfig, run_verify
+    from secondbox_scheduler.infrastructure.fault_injection import (
+        FaultRunConfig,
+        run_fault_injection,
+    )
 
     err = Console(stderr=True, highlight=False)
-    config = VerifyConfig(
+    config = FaultRunConfig(
         database_url=database_url, workers=workers, duration=duration, runners=runners,
         sandboxes=sandboxes, kill_workers=kill_workers, restart_postgres=restart_postgres,
-        seed=seed, keep=keep, directory=Path(journal_dir),
+        seed=seed, keep=keep, log_dir=Path(log_dir) if log_dir else None,
     )  # fmt: skip
     with reported_errors(), store_errors(database_url):
         try:
-            report = run_verify(config, say=(lambda _: None) if as_json else err.print)
+            report = run_fault_injection(config, say=(lambda _: None) if as_json else err.print)
         except ValueError as error:
             raise CommandError(str(error)) from None
     if as_json:

@@ -24,6 +24,8 @@ def requirements(pool: str) -> Requirements:
         capacity=Capacity(vcpu_count=1, memory_bytes=1, disk_bytes=1, instances=1, operations=1),
         guest_protocol_generation=1,
         required_capabilities={"client-selected-image"},
+        # exactly [runtime, toolchain] digests, also when the client selects the image
+        preferred_artifact_digests=("sha256:verify-runtime", "sha256:verify-image"),
     )
 
 

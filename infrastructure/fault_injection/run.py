@@ -76,6 +76,7 @@ def run_fault_injection(
         runners, sandboxes = setup_fleet(setup, config)
         setup.close()
         say(f"fleet of {len(runners)} runners, {len(sandboxes)} sandboxes in database {name}")
+        say(f"worker journals and logs in {directory}")
         deadline = time.time() + config.duration
         rng = random.Random(config.seed)
         configs = [

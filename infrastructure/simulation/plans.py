@@ -202,8 +202,13 @@ def plan_profiles(prefix: str = "") -> dict[tuple[str, str], list[ProfileRevisio
             for template in PROFILE_TEMPLATES:
                 preferred: tuple[str, ...] = ()
                 capabilities: frozenset[str] = frozenset()
-                if template.toolchain is None:
+                if template.toolchain is None:  # the client brings its image: the two
+                    # digests name it (no runner caches them, so locality ranks as before)
                     capabilities = frozenset({CAP_CLIENT_IMAGE})
+                    preferred = (
+                        digest("client-runtime", template.name, architecture),
+                        digest("client-image", template.name, architecture),
+                    )
                 else:
                     preferred = (
                         runtime_digest(architecture),
