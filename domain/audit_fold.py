@@ -26,7 +26,9 @@ from uuid import UUID
 
 from secondbox_scheduler.domain.assignment import STATE_RELEASED, STATE_RUNNING, STATE_UNCERTAIN
 from secondbox_scheduler.domain.evidence import rank_key_from_record
+from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse, token_sha256
 from secondbox_scheduler.domain.lease import RunnerLease
+from secondbox_scheduler.domain.limits import MAX_CLOCK_TOLERANCE
 from secondbox_scheduler.domain.placement import checked_dimensions, evaluate_runner
 from secondbox_scheduler.domain.refusals import RefusalLog
 from secondbox_scheduler.domain.runner import Runner, runner_snapshot
@@ -138,18 +140,28 @@ _ZERO: dict[str, int] = dict.fromkeys(DIMENSIONS, 0)  # never mutated
 
 @dataclass
 class Pending:
-    """The first half of a two-aggregate transaction, waiting for its second half."""
+    """The first part of a transaction of several aggregates, waiting for the next part:
+    a fence's reservation ("reserve"), then its token index ("token"); a release's
+    capacity release ("release")."""
 
-    kind: str  # "reserve" or "release"
+    kind: str  # "reserve", "token" or "release"
     position: int
     sandbox_id: str
     generation: int
     runner_id: str
     capacity: dict[str, int]
+    token_sha256: str | None = None  # of a fence that saved a token index
+
+
+_WANTED = {"reserve": "CapacityReserved", "release": "CapacityReleased", "token": "Used"}
 
 
 class AuditFold:
     """Replays events in log order into plain state and reports every broken promise."""
+
+    # A recorded caller time (a heartbeat's ``at``, a placement's ``decided_at``) may
+    # differ from the scheduler's clock by at most the largest tolerance it accepts.
+    MAX_CLOCK_SKEW = MAX_CLOCK_TOLERANCE
 
     def __init__(self) -> None:
         self.runner_streams: dict[str, UUID] = {}
@@ -181,6 +193,7 @@ class AuditFold:
             Sandbox.AssignmentReleased: self._released,
             Sandbox.GenerationAdvanced: self._advanced,
             RefusalLog.Refused: self._refused,
+            FencingTokenUse.Used: self._token_used,
         }
 
     # -- driving --------------------------------------------------------------
@@ -194,11 +207,7 @@ class AuditFold:
         self._stream = self._streams.get(event.originator_id)
         pending = self.pending
         if pending is not None and not self._completes(pending, event):
-            self._violate(
-                "invariant-2",
-                f"{pending.kind} of {pending.sandbox_id}#{pending.generation} at "
-                f"#{pending.position} has no matching runner event in the same transaction",
-            )
+            self._unpaired(pending, "in the same transaction")
             self.pending = None
         handler = self._handlers.get(type(event))
         if handler is not None:
@@ -211,18 +220,26 @@ class AuditFold:
         return self.violations[found_before:]
 
     def finish(self) -> list[Violation]:
-        """At the end of the log: an unpaired half-transaction is a violation too."""
+        """At the end of the log: an unpaired part of a transaction is a violation too."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
-            self._violate(
-                "invariant-2",
-                f"{pending.kind} of {pending.sandbox_id}#{pending.generation} at "
-                f"#{pending.position} has no matching runner event",
-            )
+            self._unpaired(pending, "before the end of the log")
         return self.violations
 
+    def _unpaired(self, pending: Pending, where: str) -> None:
+        rule = "invariant-3" if pending.kind == "token" else "invariant-2"
+        self._violate(
+            rule,
+            f"{pending.kind} of {pending.sandbox_id}#{pending.generation} at "
+            f"#{pending.position} has no matching {_WANTED[pending.kind]} {where}",
+        )
+
     def _completes(self, pending: Pending, event: Any) -> bool:
-        wanted = Runner.CapacityReserved if pending.kind == "reserve" else Runner.CapacityReleased
+        wanted = {
+            "reserve": Runner.CapacityReserved,
+            "release": Runner.CapacityReleased,
+            "token": FencingTokenUse.Used,
+        }[pending.kind]
         return isinstance(event, wanted)
 
     def _violate(self, rule: str, detail: str) -> None:
@@ -356,6 +373,11 @@ class AuditFold:
         self._check_capacity(runner)
         if pending is not None and pending.kind == "reserve":
             self._check_ledger(runner)
+            if pending.token_sha256 is not None:  # its token index comes next
+                self.pending = Pending(
+                    "token", pending.position, pending.sandbox_id, pending.generation,
+                    pending.runner_id, {}, pending.token_sha256,
+                )  # fmt: skip
 
     def _capacity_released(self, event: Any) -> None:
         runner = self._runner(event)
@@ -410,12 +432,24 @@ class AuditFold:
         self._enter(event.originator_id).lease = lease
         self.lease_of[event.runner_id] = event.originator_id
 
+    def _heartbeat_time(self, event: Any) -> None:
+        """SPEC section 6a: a heartbeat no later than the scheduler's clock (the event's
+        timestamp) plus the largest tolerance."""
+        if event.at > event.timestamp + self.MAX_CLOCK_SKEW:
+            self._violate(
+                "clock",
+                f"heartbeat at {event.at.isoformat()} recorded at {event.timestamp.isoformat()}: "
+                f"later than the clock + {self.MAX_CLOCK_SKEW.total_seconds():g}s",
+            )
+
     def _lease_renewed(self, event: Any) -> None:
+        self._heartbeat_time(event)
         lease = self._stream.lease if self._stream else None
         if lease is not None:
             lease.last_heartbeat_at = event.at
 
     def _lease_evidence(self, event: Any) -> None:
+        self._heartbeat_time(event)
         lease = self._stream.lease if self._stream else None
         if lease is not None:
             lease.last_heartbeat_at = event.at
@@ -483,10 +517,27 @@ class AuditFold:
         sandbox.tokens.add(record["fencing_token"])
         sandbox.fenced_at[generation] = self.position
         self._owe(record["runner_id"], record["capacity"], +1)
+        indexed = getattr(event, "token_indexed", False)
         self.pending = Pending(
             "reserve", self.position, sandbox.sandbox_id, generation, record["runner_id"],
             dict(record["capacity"]),
+            token_sha256(record["fencing_token"]) if indexed else None,
         )  # fmt: skip
+
+    def _token_used(self, event: Any) -> None:
+        """A fencing token's index stream: saved with the fence that used the token."""
+        pending, self.pending = self.pending, None
+        if (
+            pending is None
+            or pending.kind != "token"
+            or (pending.sandbox_id, pending.generation, pending.token_sha256)
+            != (event.sandbox_id, event.generation, event.token_sha256)
+        ):
+            self._violate(
+                "invariant-3",
+                f"token index of {event.sandbox_id}#{event.generation} matches no fence "
+                "in the same transaction",
+            )
 
     def _check_placement(
         self, sandbox: SandboxState, record: dict[str, Any], placement: dict[str, Any]
@@ -502,8 +553,18 @@ class AuditFold:
             requirements = sandbox.pinned = Requirements.from_record(sandbox.requirements)
         evidence = RunnerSnapshot.from_record(placement["runner"])
         decided_at = placement["decided_at"]
+        clock = placement.get("clock")  # recorded since release 0.2
+        if clock is not None and abs(decided_at - clock) > self.MAX_CLOCK_SKEW:
+            self._violate(
+                "clock",
+                f"decided at {decided_at.isoformat()} by the request, the clock said "
+                f"{clock.isoformat()}",
+            )
         timeout = timedelta(seconds=placement["heartbeat_timeout_seconds"])
-        evaluation = evaluate_runner(requirements, evidence, decided_at, timeout)
+        evaluation = evaluate_runner(
+            requirements, evidence, decided_at, timeout,
+            rules_version=placement.get("rules_version", 1),
+        )  # fmt: skip
         if not evaluation.compatible:
             reasons = ", ".join(f.detail for f in evaluation.failures)
             self._violate("invariant-4", f"runner {runner_id!r} was not compatible: {reasons}")

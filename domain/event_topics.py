@@ -19,15 +19,16 @@ from typing import Any
 from eventsourcing.domain import Aggregate, DomainEvent
 from eventsourcing.utils import get_topic, register_topic
 
-from secondbox_scheduler.domain import lease, refusals, runner, sandbox
+from secondbox_scheduler.domain import fencing_tokens, lease, refusals, runner, sandbox
 
 PACKAGE = "secondbox_scheduler."
 # The modules that define stored classes (aggregates and their events).
-EVENT_MODULES: tuple[ModuleType, ...] = (runner, lease, sandbox, refusals)
-# Release by release, how each such module was named before (0.1: top-level layers).
+EVENT_MODULES: tuple[ModuleType, ...] = (runner, lease, sandbox, refusals, fencing_tokens)
+# Release by release, how each module that existed then was named (0.1: top-level layers).
 FORMER_MODULE_NAMES: tuple[dict[str, str], ...] = (
-    {module.__name__: module.__name__.removeprefix(PACKAGE) for module in EVENT_MODULES},
-)
+    {module.__name__: module.__name__.removeprefix(PACKAGE) for module in
+     (runner, lease, sandbox, refusals)},
+)  # fmt: skip
 
 
 def stored_classes(module: ModuleType) -> Iterator[type[Any]]:

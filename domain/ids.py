@@ -25,3 +25,8 @@ def sandbox_uuid(sandbox_id: str) -> UUID:
 
 def refusal_log_uuid(sandbox_id: str) -> UUID:
     return uuid5(NAMESPACE, f"refusals:{sandbox_id}")
+
+
+def fencing_token_uuid(sandbox_id: str, token_sha256: str) -> UUID:
+    """The stream that records one fencing token's use by one sandbox (by its digest)."""
+    return uuid5(NAMESPACE, f"fencing-token:{sandbox_id}:{token_sha256}")

@@ -54,6 +54,7 @@ CAPABILITY_COMPUTE = "compute"
 CAPABILITY_CLIENT_SELECTED_IMAGE = "client-selected-image"
 CAPABILITY_PHYSICAL_STORAGE_ADMISSION = "physical-storage-admission"
 PREREQUISITE_CAPABILITIES = ("network-policy", "storage", "cleanup", "local-workspace")
+RULES_VERSION = 2  # 1: release 0.1 (see evaluate_runner); recorded with every placement
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class _Context:
     requirements: Requirements
     stale_before: datetime
     preferred: frozenset[str]
+    rules_version: int = RULES_VERSION
 
 
 Check = Callable[[_Context, RunnerSnapshot], RuleFailure | None]
@@ -108,12 +110,15 @@ def _check_backend(ctx: _Context, runner: RunnerSnapshot) -> RuleFailure | None:
 def _check_materialization(ctx: _Context, runner: RunnerSnapshot) -> RuleFailure | None:
     requirements = ctx.requirements
     digests = requirements.preferred_artifact_digests
+    client_selected = CAPABILITY_CLIENT_SELECTED_IMAGE in requirements.required_capabilities
+    if client_selected and ctx.rules_version < 2:  # release 0.1 skipped the whole rule
+        return None
     if len(digests) != 2:  # always, also when the client selects the image
         return RuleFailure(
             MATERIALIZATION,
             f"preferred artifact digests must be exactly [runtime, toolchain], got {len(digests)}",
         )
-    if CAPABILITY_CLIENT_SELECTED_IMAGE in requirements.required_capabilities:
+    if client_selected:
         return None
     runtime, toolchain = digests
     for item in runner.materializations:
@@ -213,14 +218,26 @@ _CHECK_OF: dict[str, Check] = {
 CHECKS: tuple[tuple[str, Check], ...] = tuple((code, _CHECK_OF[code]) for code in REASON_CODES)
 
 
-def _context(requirements: Requirements, now: datetime, heartbeat_timeout: timedelta) -> _Context:
+def _context(
+    requirements: Requirements,
+    now: datetime,
+    heartbeat_timeout: timedelta,
+    rules_version: int = RULES_VERSION,
+) -> _Context:
     now = require_aware("now", now)
     if not isinstance(heartbeat_timeout, timedelta):
         raise InvalidRequestError("heartbeat_timeout", "must be a timedelta", heartbeat_timeout)
+    try:
+        stale_before = now - heartbeat_timeout
+    except OverflowError:
+        raise InvalidRequestError(
+            "heartbeat_timeout", "reaches before the first representable time"
+        ) from None
     return _Context(
         requirements=requirements,
-        stale_before=now - heartbeat_timeout,
+        stale_before=stale_before,
         preferred=frozenset(requirements.preferred_artifact_digests),
+        rules_version=rules_version,
     )
 
 
@@ -229,9 +246,15 @@ def evaluate_runner(
     runner: RunnerSnapshot,
     now: datetime,
     heartbeat_timeout: timedelta,
+    *,
+    rules_version: int = RULES_VERSION,
 ) -> RunnerEvaluation:
-    """Every rule of SPEC section 3 that ``runner`` fails (none: compatible)."""
-    return _evaluate(_context(requirements, now, heartbeat_timeout), runner)
+    """Every rule of SPEC section 3 that ``runner`` fails (none: compatible).
+
+    ``rules_version``: the rules a recorded decision was made by (audit replays); 1 is
+    release 0.1's, where ``client-selected-image`` skipped the whole materialization
+    rule, the preferred digests' count included."""
+    return _evaluate(_context(requirements, now, heartbeat_timeout, rules_version), runner)
 
 
 def _evaluate(ctx: _Context, runner: RunnerSnapshot) -> RunnerEvaluation:

@@ -4,7 +4,8 @@ A refused ``create_sandbox`` or ``schedule`` reserves nothing, but an auditor mu
 be able to see why. Each sandbox id has a refusal log of its own (so recording a
 refusal never contends with the sandbox's or a runner's stream). A refusal is recorded
 when its reasons differ from the last one recorded for the same operation and
-generation, so a caller retrying against the same obstacle does not grow the log.
+generation, so a caller retrying against the same obstacle does not grow the log; the
+state keeps only the last refusal per operation, so it does not grow either.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ class RefusalLog(Aggregate):
 
     def __init__(self, sandbox_id: str) -> None:
         self.sandbox_id = sandbox_id
-        self.last: dict[str, list[Any]] = {}
+        # by operation: the generation and the reasons of the last refusal recorded
+        # (one entry per operation, however many generations were refused)
+        self.last: dict[str, list[Any]] = {}  # [generation, reasons]: JSON-shaped
 
     @classmethod
     def open(cls, sandbox_id: str, at: datetime) -> RefusalLog:
@@ -47,9 +50,7 @@ class RefusalLog(Aggregate):
         unlisted: dict[str, Any] | None = None  # Unlisted.to_record(); absent before
 
         def apply(self, log: RefusalLog) -> None:
-            log.last[f"{self.operation}#{self.generation}"] = _reasons(
-                self.candidates, self.unlisted
-            )
+            log.last[self.operation] = [self.generation, _reasons(self.candidates, self.unlisted)]
 
     def refuse(
         self,
@@ -67,7 +68,7 @@ class RefusalLog(Aggregate):
         ``unlisted``: counts of the runners refused without an evaluation record."""
         candidates = [evaluation.to_record() for evaluation in evaluations]
         counts = unlisted.to_record() if unlisted else None
-        if self.last.get(f"{operation}#{generation}") == _reasons(candidates, counts):
+        if self.last.get(operation) == [generation, _reasons(candidates, counts)]:
             return False
         self.trigger_event(
             self.Refused,

@@ -183,6 +183,10 @@ class Runner(Aggregate):
 
     # -- commands -------------------------------------------------------------
 
+    def holds(self, sandbox_id: str, generation: int) -> bool:
+        """Whether a reservation for this sandbox generation is active here."""
+        return reservation_key(sandbox_id, generation) in self.reservations
+
     def _require_registered(self) -> None:
         if self.deregistered:
             raise RunnerUnavailableError(f"runner {self.runner_id!r} is deregistered")

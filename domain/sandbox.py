@@ -2,15 +2,21 @@
 
 One assignment per generation (invariant 3), fenced only on the home runner and only
 when the runner is compatible by the evidence recorded with the decision (4); a
-fencing token never repeats for one sandbox (3); capacity is released once, with
-proof (6). Every runner-facing command checks generation and fencing token first and
-raises :class:`StaleFenceError` before changing anything.
+fencing token never repeats for one sandbox (3: with the fence comes a
+:class:`~.fencing_tokens.FencingTokenUse`, saved in the same transaction); capacity is
+released once, with proof (6). Every runner-facing command checks generation and
+fencing token first and raises :class:`StaleFenceError` before changing anything.
+
+The state is bounded: the current generation's assignment, not every past one (past
+generations stay in the events and in the assignments read model;
+:func:`assignment_history` folds them from the events). Class version 2; version 1
+(release 0.1) kept every assignment and token, and its snapshots are upcast.
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -39,8 +45,14 @@ from secondbox_scheduler.domain.errors import (
     StaleFenceError,
 )
 from secondbox_scheduler.domain.evidence import Unlisted, decision_record, home_decision_record
+from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
 from secondbox_scheduler.domain.ids import sandbox_uuid
-from secondbox_scheduler.domain.placement import decide, refusal, select_home_runner
+from secondbox_scheduler.domain.placement import (
+    RULES_VERSION,
+    decide,
+    refusal,
+    select_home_runner,
+)
 from secondbox_scheduler.domain.reconcile import (
     ACTION_DEADLINE_EXCEEDED,
     ACTION_NONE,
@@ -49,9 +61,25 @@ from secondbox_scheduler.domain.reconcile import (
 )
 from secondbox_scheduler.domain.values import Requirements, RunnerSnapshot, ScheduleRequest
 
+TOKEN_REUSED = "must differ from every earlier token of this sandbox"
+
 
 class Sandbox(Aggregate):
-    """A sandbox's pinned profile revision, home runner and assignments by generation."""
+    """A sandbox's pinned profile revision, home runner and current assignment."""
+
+    class_version = 2
+
+    @staticmethod
+    def upcast_v1_v2(state: dict[str, Any]) -> None:
+        """Release 0.1 kept every generation's assignment, every token and every
+        operation window; keep the current generation's, and the tokens as legacy tokens
+        (0.1 wrote no token index)."""
+        assignments = state.pop("assignments", {})
+        windows = state.pop("operation_windows", {})
+        generation = str(state["generation"])
+        state["current"] = assignments.get(generation)
+        state["operation_window_seconds"] = windows.get(generation, 0.0)
+        state["legacy_tokens"] = list(state.pop("fencing_tokens", []))
 
     class Created(Aggregate.Created):
         sandbox_id: str
@@ -75,9 +103,9 @@ class Sandbox(Aggregate):
         self.requirements = requirements
         self.home_runner_id = home_runner_id
         self.generation = 1
-        self.assignments: dict[str, dict[str, Any]] = {}
-        self.fencing_tokens: list[str] = []
-        self.operation_windows: dict[str, float] = {}  # seconds, by generation
+        self.current: dict[str, Any] | None = None  # the current generation's assignment
+        self.operation_window_seconds = 0.0  # its first deadline - created
+        self.legacy_tokens: list[str] = []  # tokens fenced before the token index (0.1)
 
     @classmethod
     def create(
@@ -120,16 +148,26 @@ class Sandbox(Aggregate):
     class AssignmentFenced(Aggregate.Event):
         assignment: dict[str, Any]
         placement: dict[str, Any]
+        token_indexed: bool = False  # a FencingTokenUse was saved with it (version 2)
+
+        class_version = 2
+
+        @staticmethod
+        def upcast_v1_v2(state: dict[str, Any]) -> None:
+            """Release 0.1 saved no token index with a fence, and placed by the rules of
+            version 1 (``placement.evaluate_runner``)."""
+            state["token_indexed"] = False
+            state["placement"] = {**state["placement"], "rules_version": 1}
 
         def apply(self, sandbox: Sandbox) -> None:
             record = dict(self.assignment)
-            sandbox.assignments[str(record["generation"])] = record
-            sandbox.fencing_tokens.append(record["fencing_token"])
+            sandbox.current = record
+            sandbox.operation_window_seconds = 0.0
             if record["operation_deadline"] is not None:
                 window = record["operation_deadline"] - record["created_at"]
-                if not hasattr(sandbox, "operation_windows"):
-                    sandbox.operation_windows = {}
-                sandbox.operation_windows[str(record["generation"])] = window.total_seconds()
+                sandbox.operation_window_seconds = window.total_seconds()
+            if not self.token_indexed:
+                sandbox.legacy_tokens.append(record["fencing_token"])
 
     class AssignmentRunning(Aggregate.Event):
         generation: int
@@ -216,22 +254,29 @@ class Sandbox(Aggregate):
 
         def apply(self, sandbox: Sandbox) -> None:
             sandbox.generation = self.generation
+            sandbox.current = None
+            sandbox.operation_window_seconds = 0.0
 
     def _touch(self, generation: int, at: datetime, **changes: Any) -> None:
-        record = self.assignments[str(generation)]
+        record = self.current
+        assert record is not None
+        assert record["generation"] == generation
         record.update(changes)
         record["revision"] += 1
         record["updated_at"] = at
 
     # -- queries --------------------------------------------------------------
 
-    def operation_window(self, generation: int) -> timedelta:
-        """The operation window the assignment was fenced with (first deadline - created)."""
-        windows: dict[str, float] = getattr(self, "operation_windows", {})
-        return timedelta(seconds=windows.get(str(generation), 0.0))
+    def operation_window(self) -> timedelta:
+        """The current assignment's operation window (its first deadline - created)."""
+        return timedelta(seconds=self.operation_window_seconds)
 
     def assignment(self, generation: int | None = None) -> dict[str, Any] | None:
-        return self.assignments.get(str(self.generation if generation is None else generation))
+        """The current generation's assignment (None for another generation: past ones
+        are in the events, see :func:`assignment_history`)."""
+        if generation is not None and generation != self.generation:
+            return None
+        return self.current
 
     def pinned_requirements(self) -> Requirements:
         return Requirements.from_record(self.requirements)
@@ -265,18 +310,20 @@ class Sandbox(Aggregate):
         runner_version: int,
         lease_version: int,
         attempt: int,
-    ) -> dict[str, Any]:
-        """Fence this generation's assignment on the home runner, or refuse."""
+        clock: datetime,
+    ) -> tuple[dict[str, Any], FencingTokenUse]:
+        """Fence this generation's assignment on the home runner, or refuse. Returns the
+        assignment record and the token's use, to be saved with this sandbox (a token
+        used by an earlier generation collides with its stream). ``clock``: the
+        application's clock at the decision, recorded beside the request's time."""
         self.check_pinned(request)
-        if self.assignment() is not None:
+        if self.current is not None:
             raise AlreadyExistsError(
                 f"sandbox {self.sandbox_id!r} generation {self.generation} is already assigned"
             )
         token = request.fencing_token.hex()
-        if token in self.fencing_tokens:
-            raise InvalidRequestError(
-                "fencing_token", "must differ from every earlier token of this sandbox"
-            )
+        if token in self.legacy_tokens:
+            raise InvalidRequestError("fencing_token", TOKEN_REUSED)
         assert request.now is not None
         requirements = self.pinned_requirements()
         select_home_runner(
@@ -296,11 +343,20 @@ class Sandbox(Aggregate):
             lease_version=lease_version,
             requested=requirements.capacity.as_dict(),
             attempt=attempt,
+            clock=clock,
+            rules_version=RULES_VERSION,
         )
         self.trigger_event(
-            self.AssignmentFenced, timestamp=request.now, assignment=record, placement=placement
+            self.AssignmentFenced,
+            timestamp=request.now,
+            assignment=record,
+            placement=placement,
+            token_indexed=True,
         )
-        return record
+        use = FencingTokenUse.use(
+            sandbox_id=self.sandbox_id, generation=self.generation, token_hex=token, at=request.now
+        )
+        return record, use
 
     def _current(self, generation: int) -> dict[str, Any]:
         if generation != self.generation:
@@ -437,7 +493,7 @@ class Sandbox(Aggregate):
                 state=STATE_ASSIGNED if retry else STATE_FAILED,
             )
             if retry and deadline is not None:  # redelivery gets a fresh operation window
-                deadline = at + self.operation_window(generation)
+                deadline = at + self.operation_window()
         elif action == ACTION_UNCERTAIN:
             if record["state"] not in (STATE_ASSIGNED, STATE_RUNNING):
                 raise InvalidTransitionError(
@@ -484,3 +540,16 @@ class Sandbox(Aggregate):
             )
         self.trigger_event(self.GenerationAdvanced, timestamp=at, generation=generation + 1)
         return generation + 1
+
+
+def assignment_history(events: Iterable[Any]) -> dict[int, dict[str, Any]]:
+    """Every generation's assignment record, folded from a sandbox's events (from its
+    first event; a snapshot holds only the current generation)."""
+    sandbox: Sandbox | None = None
+    records: dict[int, dict[str, Any]] = {}
+    for event in events:
+        sandbox = event.mutate(sandbox)
+        if isinstance(event, Sandbox.AssignmentFenced) and sandbox is not None:
+            assert sandbox.current is not None
+            records[sandbox.current["generation"]] = sandbox.current  # changed in place later
+    return records

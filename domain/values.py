@@ -28,9 +28,20 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    ValidationInfo,
 )
 
 from secondbox_scheduler.domain.errors import InvalidRequestError
+from secondbox_scheduler.domain.limits import (
+    MAX_FENCING_TOKEN_BYTES,
+    MAX_ITEMS,
+    MAX_NAME_LENGTH,
+    MAX_RETRY_LIMIT,
+    MAX_SERIALIZATION_RETRY_LIMIT,
+    MAX_TEXT_LENGTH,
+    MIN_FENCING_TOKEN_BYTES,
+    text_problem,
+)
 
 DRAIN_PHASE_ACTIVE = "active"
 DRAIN_PHASE_DRAINING = "draining"
@@ -38,7 +49,6 @@ DRAIN_PHASES = (DRAIN_PHASE_ACTIVE, DRAIN_PHASE_DRAINING)
 
 INT64_MAX = 2**63 - 1
 UINT32_MAX = 2**32 - 1
-MIN_FENCING_TOKEN_BYTES = 32
 
 
 def _to_utc(value: datetime) -> datetime:
@@ -52,10 +62,41 @@ def _names_from_map(value: object) -> object:
     return value
 
 
-def _no_nul(value: str) -> str:
-    if "\x00" in value:
-        raise ValueError("must not contain NUL characters")
+def _trusted(info: ValidationInfo) -> bool:
+    """Values read back from a stored history (``from_record``) are not held to the
+    input limits, which a history written before them may exceed; NUL never passes."""
+    return isinstance(info.context, dict) and info.context.get("trusted") is True
+
+
+def _name(value: str, info: ValidationInfo) -> str:
+    if _trusted(info):
+        if "\x00" in value:
+            raise ValueError("must not contain NUL characters")
+        return value
+    problem = text_problem(value, max_length=MAX_NAME_LENGTH, name=True)
+    if problem:
+        raise ValueError(problem)
     return value
+
+
+def _text(value: str, info: ValidationInfo) -> str:
+    problem = text_problem(
+        value, max_length=2**63 if _trusted(info) else MAX_TEXT_LENGTH, name=False
+    )
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+def _at_most(limit: int) -> Any:
+    """A validator bounding a collection's size (input only; see :func:`_trusted`)."""
+
+    def check(value: Any, info: ValidationInfo) -> Any:
+        if not _trusted(info) and len(value) > limit:
+            raise ValueError(f"must have at most {limit} entries (got {len(value)})")
+        return value
+
+    return AfterValidator(check)
 
 
 def _no_numbers(value: object) -> object:
@@ -71,14 +112,18 @@ def _no_numbers(value: object) -> object:
 
 
 UTCDatetime = Annotated[AwareDatetime, BeforeValidator(_no_numbers), AfterValidator(_to_utc)]
-Text = Annotated[StrictStr, AfterValidator(_no_nul)]
+Name = Annotated[StrictStr, AfterValidator(_name)]  # ids, names, digests
+Text = Annotated[StrictStr, AfterValidator(_text)]  # free text
 Count = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
 ProtocolGeneration = Annotated[StrictInt, Field(ge=0, le=UINT32_MAX)]
 NameSet = Annotated[
-    frozenset[Text],
+    frozenset[Name],
     BeforeValidator(_names_from_map),
+    _at_most(MAX_ITEMS),
     PlainSerializer(sorted, when_used="json"),
 ]
+Names = Annotated[tuple[Name, ...], _at_most(MAX_ITEMS)]
+TextMap = Annotated[dict[Name, Text], _at_most(MAX_ITEMS)]
 
 
 def invalid_request_from(model: str, error: ValidationError) -> InvalidRequestError:
@@ -93,7 +138,10 @@ def invalid_request_from(model: str, error: ValidationError) -> InvalidRequestEr
 
 
 class Value(BaseModel):
-    """Frozen value type whose validation errors are :class:`InvalidRequestError`."""
+    """Frozen value type whose validation errors are :class:`InvalidRequestError`.
+
+    Built from input (the constructor), every limit of :mod:`.limits` applies; rebuilt
+    from a stored record (:meth:`from_record`), only the types do."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -106,7 +154,7 @@ class Value(BaseModel):
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> Self:
         try:
-            return cls.model_validate(record)
+            return cls.model_validate(record, context={"trusted": True})
         except ValidationError as error:
             raise invalid_request_from(cls.__name__, error) from None
 
@@ -155,40 +203,40 @@ class Capacity(Value):
 class Requirements(Value):
     """Immutable ProfileRevision placement constraints."""
 
-    pool_name: Text = ""
-    architecture: Text = ""
+    pool_name: Name = ""
+    architecture: Name = ""
     required_capabilities: NameSet = frozenset()
     capacity: Capacity = Capacity()
     guest_protocol_generation: ProtocolGeneration = 0
-    preferred_artifact_digests: tuple[Text, ...] = ()
-    egress_context: Text | None = None
+    preferred_artifact_digests: Names = ()
+    egress_context: Name | None = None
 
 
 class MaterializationSnapshot(Value):
     """One revalidated local backend composition."""
 
-    backend_kind: Text = ""
-    architecture: Text = ""
-    runtime_digest: Text = ""
-    toolchain_digest: Text = ""
-    digest: Text = ""
+    backend_kind: Name = ""
+    architecture: Name = ""
+    runtime_digest: Name = ""
+    toolchain_digest: Name = ""
+    digest: Name = ""
 
 
 class RunnerSnapshot(Value):
     """One durable registration and latest heartbeat view."""
 
-    id: Text
-    pool_name: Text = ""
-    backend_kind: Text = ""
-    architecture: Text = ""
+    id: Name
+    pool_name: Name = ""
+    backend_kind: Name = ""
+    architecture: Name = ""
     capabilities: NameSet = frozenset()
     allocatable: Capacity = Capacity()
     reserved: Capacity = Capacity()
-    drain_phase: Text = DRAIN_PHASE_ACTIVE
+    drain_phase: Name = DRAIN_PHASE_ACTIVE
     last_heartbeat_at: UTCDatetime | None = None
-    artifact_digests: tuple[Text, ...] = ()
-    materializations: tuple[MaterializationSnapshot, ...] = ()
-    supported_egress_contexts: tuple[Text, ...] = ()
+    artifact_digests: Names = ()
+    materializations: Annotated[tuple[MaterializationSnapshot, ...], _at_most(MAX_ITEMS)] = ()
+    supported_egress_contexts: Names = ()
     guest_protocol_minimum: ProtocolGeneration = 0
     guest_protocol_maximum: ProtocolGeneration = 0
 
@@ -250,21 +298,21 @@ class ScheduleRequest(Value):
     built; :meth:`ensure_valid` (called by ``schedule``) refuses what is missing.
     """
 
-    assignment_id: Text = ""
-    assignment_command_id: Text = ""
-    instance_id: Text = ""
-    sandbox_id: Text = ""
-    workspace_id: Text = ""
-    start_mutation_id: Text = ""
-    profile_revision_id: Text = ""
+    assignment_id: Name = ""
+    assignment_command_id: Name = ""
+    instance_id: Name = ""
+    sandbox_id: Name = ""
+    workspace_id: Name = ""
+    start_mutation_id: Name = ""
+    profile_revision_id: Name = ""
     requirements: Requirements = Requirements()
-    assignment_command: dict[Text, Text] | None = None
-    fencing_token: StrictBytes = b""
-    resolved_artifacts: dict[Text, Text] = Field(default_factory=dict)
+    assignment_command: TextMap | None = None
+    fencing_token: Annotated[StrictBytes, Field(max_length=MAX_FENCING_TOKEN_BYTES)] = b""
+    resolved_artifacts: TextMap = Field(default_factory=dict)
     claim_expires_at: UTCDatetime | None = None
     operation_deadline: UTCDatetime | None = None
-    retry_limit: Annotated[StrictInt, Field(le=INT64_MAX)] = 0
-    serialization_retry_limit: Annotated[StrictInt, Field(le=INT64_MAX)] = 0
+    retry_limit: Annotated[StrictInt, Field(le=MAX_RETRY_LIMIT)] = 0
+    serialization_retry_limit: Annotated[StrictInt, Field(le=MAX_SERIALIZATION_RETRY_LIMIT)] = 0
     heartbeat_timeout: Annotated[timedelta, Strict()] = timedelta(0)
     now: UTCDatetime | None = None
     effect_started_at: UTCDatetime | None = None
@@ -332,21 +380,43 @@ def require_aware(field: str, value: object) -> datetime:
 
 
 def require_text(field: str, value: object) -> str:
-    """Refuse a non-string or empty identifier, naming the field."""
+    """Refuse a non-string, empty or unprintable identifier, or one past the length
+    limit, naming the field."""
     if not isinstance(value, str):
         raise InvalidRequestError(field, "must be a string", value)
     if not value:
         raise InvalidRequestError(field, "must not be empty")
-    if "\x00" in value:
-        raise InvalidRequestError(field, "must not contain NUL characters")
+    problem = text_problem(value, max_length=MAX_NAME_LENGTH, name=True)
+    if problem:
+        raise InvalidRequestError(field, problem)
     return value
 
 
-def require_string_map(field: str, value: object, *, non_empty: bool = False) -> dict[str, str]:
+def require_string_map(
+    field: str,
+    value: object,
+    *,
+    non_empty: bool = False,
+    max_entries: int = MAX_ITEMS,
+    max_value_length: int = MAX_TEXT_LENGTH,
+) -> dict[str, str]:
+    """A mapping of non-empty names to text, within the entry and length limits."""
     if not isinstance(value, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) and "\x00" not in k + v for k, v in value.items()
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
     ):
         raise InvalidRequestError(field, "must be a mapping of str to str", value)
     if non_empty and not value:
         raise InvalidRequestError(field, "must not be empty")
+    if len(value) > max_entries:
+        raise InvalidRequestError(
+            field, f"must have at most {max_entries} entries (got {len(value)})"
+        )
+    for key, text in value.items():
+        problem = "must not be empty" if not key else None
+        problem = problem or text_problem(key, max_length=MAX_NAME_LENGTH, name=True)
+        if problem:
+            raise InvalidRequestError(f"{field} key", problem)
+        problem = text_problem(text, max_length=max_value_length, name=False)
+        if problem:
+            raise InvalidRequestError(f"{field}[{key!r}]", problem)
     return dict(value)

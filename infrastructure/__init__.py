@@ -1,6 +1,9 @@
-"""Infrastructure: the application service, persistence wiring and the CLI."""
+"""Infrastructure: the application service and persistence wiring; the command line
+(``cli``) and the tools (``simulation``, ``bench``, ``fault_injection``) are
+subpackages of their own."""
 
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.postgres_store import PostgresStore, PostgresStoreConfig
+from secondbox_scheduler.infrastructure.store_startup import StoreUnavailableError
 
-__all__ = ["PostgresStore", "PostgresStoreConfig", "SchedulerApplication"]
+__all__ = ["PostgresStore", "PostgresStoreConfig", "SchedulerApplication", "StoreUnavailableError"]

@@ -12,7 +12,8 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, ClassVar, TypeVar
@@ -20,7 +21,7 @@ from uuid import UUID
 
 from eventsourcing.application import AggregateNotFoundError, Application
 from eventsourcing.persistence import IntegrityError
-from eventsourcing.utils import EnvType
+from eventsourcing.utils import EnvType, strtobool
 
 from secondbox_scheduler.domain.assignment import to_durable_assignment
 from secondbox_scheduler.domain.errors import (
@@ -34,12 +35,20 @@ from secondbox_scheduler.domain.errors import (
     SerializationContentionError,
 )
 from secondbox_scheduler.domain.evidence import Unlisted
+from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
 from secondbox_scheduler.domain.ids import lease_uuid, refusal_log_uuid, runner_uuid, sandbox_uuid
 from secondbox_scheduler.domain.lease import RunnerLease
+from secondbox_scheduler.domain.limits import (
+    MAX_CLAIM_DURATION,
+    MAX_DEADLINE_AHEAD,
+    MAX_HEARTBEAT_TIMEOUT,
+    MAX_PROOF_ENTRIES,
+    MAX_PROOF_VALUE_LENGTH,
+)
 from secondbox_scheduler.domain.reconcile import ReconcileDecision
 from secondbox_scheduler.domain.refusals import OPERATION_CREATE, OPERATION_SCHEDULE, RefusalLog
 from secondbox_scheduler.domain.runner import Runner
-from secondbox_scheduler.domain.sandbox import Sandbox
+from secondbox_scheduler.domain.sandbox import TOKEN_REUSED, Sandbox, assignment_history
 from secondbox_scheduler.domain.values import (
     Capacity,
     DurableAssignment,
@@ -53,10 +62,21 @@ from secondbox_scheduler.domain.values import (
 )
 from secondbox_scheduler.infrastructure.fast_forward import fast_forward_pair, load_uncached
 from secondbox_scheduler.infrastructure.settings import (
+    CLOCK_TOLERANCE_SECONDS,
     DATABASE_URL,
     LEASE_RENEWAL_SECONDS,
+    POSTGRES_MODULE,
+    POSTGRES_SETTINGS,
     READ_MODELS,
+    SQLITE_MODULE,
+    clock_tolerance,
     settings_from_url,
+)
+from secondbox_scheduler.infrastructure.store_startup import (
+    DEFAULT_CONNECT_TIMEOUT_SECONDS,
+    check_sqlite,
+    connect_postgres,
+    postgres_schema_lock,
 )
 from secondbox_scheduler.projections.candidates import home_candidates
 from secondbox_scheduler.projections.event_log import count_events
@@ -75,6 +95,16 @@ DEFAULT_LEASE_RENEWAL = timedelta(seconds=10)
 
 def system_now() -> datetime:
     return datetime.now(UTC)
+
+
+class StaleRead(Exception):
+    """A command read two aggregates on either side of a rival's commit (a sandbox
+    without the assignment whose reservation its runner already holds, or the reverse):
+    a lost race, retried like an optimistic-concurrency conflict."""
+
+
+def _seconds(duration: timedelta) -> str:
+    return f"{duration.total_seconds():g}s"
 
 
 def backoff_ceiling(retry: int) -> float:
@@ -112,8 +142,12 @@ class SchedulerApplication(Application[UUID]):
         Runner: 10,
         Sandbox: 20,
         RunnerLease: 20,
+        RefusalLog: 20,
     }
-    env: ClassVar[dict[str, str]] = {"AGGREGATE_CACHE_MAXSIZE": "10000"}
+    env: ClassVar[dict[str, str]] = {
+        "AGGREGATE_CACHE_MAXSIZE": "10000",
+        "POSTGRES_CONNECT_TIMEOUT": str(DEFAULT_CONNECT_TIMEOUT_SECONDS),
+    }
 
     def __init__(
         self,
@@ -127,17 +161,37 @@ class SchedulerApplication(Application[UUID]):
         self._sleep = sleep
         self._rng = rng or random.Random()
         self._rng_lock = threading.Lock()
-        super().__init__(env)
-        seconds = self.env.get(LEASE_RENEWAL_SECONDS)
-        self.lease_renewal_interval = (
-            timedelta(seconds=float(seconds)) if seconds else DEFAULT_LEASE_RENEWAL
-        )
-        self.metrics = SchedulerMetrics()
-        self.runner_index = RunnerIndex(self.recorder, self.mapper)
-        self.read_models: ReadModels | None = None
-        if supports_read_models(self) and self.env.get(READ_MODELS, "on") != "off":
-            self.read_models = ReadModels(self)
-        self.catch_up_inline = self.env.get(READ_MODELS, "on") != "external"
+        planned = self.construct_env(self.name, env)
+        self.clock_tolerance = clock_tolerance(planned.get(CLOCK_TOLERANCE_SECONDS))
+        with self._opening(planned):
+            super().__init__(env)
+            seconds = self.env.get(LEASE_RENEWAL_SECONDS)
+            self.lease_renewal_interval = (
+                timedelta(seconds=float(seconds)) if seconds else DEFAULT_LEASE_RENEWAL
+            )
+            self.metrics = SchedulerMetrics()
+            self.runner_index = RunnerIndex(self.recorder, self.mapper)
+            self.read_models: ReadModels | None = None
+            if supports_read_models(self) and self.env.get(READ_MODELS, "on") != "off":
+                self.read_models = ReadModels(self)
+            self.catch_up_inline = self.env.get(READ_MODELS, "on") != "external"
+
+    @contextmanager
+    def _opening(self, planned: Any) -> Iterator[None]:
+        """Open the store named by the settings: a typed error at once when it cannot be
+        reached (:mod:`.store_startup`); on PostgreSQL, tables created under a lock that
+        replicas starting together take in turn."""
+        module = planned.get("PERSISTENCE_MODULE", "")
+        if module == POSTGRES_MODULE:
+            settings = {key: planned.get(key) or "" for key in POSTGRES_SETTINGS}
+            if strtobool(planned.get("CREATE_TABLE") or "y"):
+                with postgres_schema_lock(settings):
+                    yield
+                return
+            connect_postgres(settings).close()
+        elif module == SQLITE_MODULE:
+            check_sqlite(planned.get("SQLITE_DBNAME") or "")
+        yield
 
     def construct_env(self, name: str, env: EnvType | None = None) -> Any:
         environment = super().construct_env(name, env)
@@ -151,6 +205,26 @@ class SchedulerApplication(Application[UUID]):
     def now(self) -> datetime:
         return require_aware("now", self._now())
 
+    def _not_after_clock(self, field: str, value: datetime, now: datetime) -> None:
+        """SPEC section 6a: no caller-supplied time later than clock + tolerance."""
+        if value > now + self.clock_tolerance:
+            raise InvalidRequestError(
+                field,
+                f"must not be later than the scheduler's clock + {_seconds(self.clock_tolerance)} "
+                f"(clock {now.isoformat()}, got {value.isoformat()})",
+            )
+
+    def _near_clock(self, field: str, value: datetime, now: datetime) -> None:
+        """SPEC section 6a: a request's time within clock +/- tolerance."""
+        self._not_after_clock(field, value, now)
+        if value < now - self.clock_tolerance:
+            raise InvalidRequestError(
+                field,
+                f"must not be earlier than the scheduler's clock - "
+                f"{_seconds(self.clock_tolerance)} (clock {now.isoformat()}, got "
+                f"{value.isoformat()})",
+            )
+
     def backoff(self, retry: int) -> None:
         """Full jitter: sleep a uniform draw in [0, min(2 ms * 2^retry, 250 ms)]."""
         with self._rng_lock:
@@ -158,11 +232,12 @@ class SchedulerApplication(Application[UUID]):
         self._sleep(delay)
 
     def _retrying(self, operation: Callable[[int], T], *, retries: int, subject: str) -> T:
-        """Run ``operation(attempt)``; on a lost race back off and run it again."""
+        """Run ``operation(attempt)``; on a lost race (a rival's commit first, or reads
+        that straddled one: :class:`StaleRead`) back off and run it again."""
         for attempt in range(retries + 1):
             try:
                 return operation(attempt)
-            except IntegrityError:
+            except (IntegrityError, StaleRead):
                 if attempt == retries:
                     break
                 self.metrics.add("contention_retries")
@@ -296,6 +371,7 @@ class SchedulerApplication(Application[UUID]):
         """
         require_text("runner_id", runner_id)
         at = require_aware("at", at)
+        self._not_after_clock("at", at, self.now())
         checked = RunnerSnapshot(
             id=runner_id,
             artifact_digests=_as_collection("artifact_digests", artifact_digests),
@@ -441,6 +517,13 @@ class SchedulerApplication(Application[UUID]):
             return self.fold_runner_snapshots(requirements.pool_name), Unlisted()
         return home_candidates(read_models.runners, requirements, now, heartbeat_timeout)
 
+    def _load_runner(self, runner_id: str) -> Runner:
+        """The runner an assignment holds capacity on (a copy to command)."""
+        runner = self._load(runner_uuid(runner_id), Runner)
+        if runner is None:
+            raise RunnerNotFoundError(runner_id)
+        return runner
+
     def _runner_and_lease(self, runner_id: str) -> tuple[Runner, RunnerLease]:
         """The home runner (a copy to command) and its lease; cached ones are brought
         up to date with one query (:mod:`infrastructure.fast_forward`)."""
@@ -464,6 +547,7 @@ class SchedulerApplication(Application[UUID]):
         if not isinstance(request, ScheduleRequest):
             raise InvalidRequestError("request", "must be a ScheduleRequest", request)
         request.ensure_valid()
+        self._check_request_times(request)
 
         def attempt(number: int) -> tuple[DurableAssignment, bool]:
             sandbox = self._load_one_query(sandbox_uuid(request.sandbox_id), Sandbox)
@@ -474,15 +558,17 @@ class SchedulerApplication(Application[UUID]):
             if existing is not None:
                 self.metrics.add("replays")
                 return to_durable_assignment(existing), False
-            home = sandbox.home_runner_id
-            runner, lease = self._runner_and_lease(home)
+            runner, lease = self._runner_and_lease(sandbox.home_runner_id)
+            if runner.holds(request.sandbox_id, sandbox.generation):
+                raise StaleRead  # the runner saw a rival's fence that this sandbox read missed
             try:
-                record = sandbox.fence(
+                record, token_use = sandbox.fence(
                     request,
                     runner.snapshot(lease),
                     runner_version=runner.version,
                     lease_version=lease.version,
                     attempt=number,
+                    clock=self.now(),
                 )
             except PlacementError as error:
                 assert request.now is not None
@@ -499,7 +585,11 @@ class SchedulerApplication(Application[UUID]):
                 capacity=request.requirements.capacity,
                 at=request.now,
             )
-            self.save(sandbox, runner)
+            try:
+                self.save(sandbox, runner, token_use)
+            except IntegrityError:
+                self._refuse_reused_token(token_use, sandbox.generation)
+                raise
             self.metrics.add("placements")
             return to_durable_assignment(record), True
 
@@ -508,6 +598,30 @@ class SchedulerApplication(Application[UUID]):
             retries=request.serialization_retry_limit,
             subject=f"sandbox {request.sandbox_id!r}",
         )
+
+    def _check_request_times(self, request: ScheduleRequest) -> None:
+        """SPEC section 6a and the limits: the request's times against the clock."""
+        assert request.now is not None
+        assert request.effect_started_at is not None
+        assert request.plan_ready_at is not None
+        now = self.now()
+        self._near_clock("now", request.now, now)
+        self._not_after_clock("effect_started_at", request.effect_started_at, now)
+        self._not_after_clock("plan_ready_at", request.plan_ready_at, now)
+        for name in ("claim_expires_at", "operation_deadline"):
+            value = getattr(request, name)
+            if value - request.now > MAX_DEADLINE_AHEAD:
+                raise InvalidRequestError(
+                    name, f"must be at most {_seconds(MAX_DEADLINE_AHEAD)} after now", value
+                )
+        _require_timeout(request.heartbeat_timeout)
+
+    def _refuse_reused_token(self, token_use: FencingTokenUse, generation: int) -> None:
+        """After a failed save: if the token's stream exists for another generation, the
+        token was used before (invariant 3), which is no race to retry."""
+        earlier = self._load(token_use.id, FencingTokenUse, copy=False)
+        if earlier is not None and earlier.generation != generation:
+            raise InvalidRequestError("fencing_token", TOKEN_REUSED) from None
 
     def mark_running(self, sandbox_id: str, generation: int, fencing_token: bytes) -> None:
         _require_fence(sandbox_id, generation, fencing_token)
@@ -524,7 +638,10 @@ class SchedulerApplication(Application[UUID]):
     ) -> bool:
         """Free the assignment's capacity, once; False when it was already released."""
         _require_fence(sandbox_id, generation, fencing_token)
-        proof = require_string_map("release_proof", release_proof, non_empty=True)
+        proof = require_string_map(
+            "release_proof", release_proof, non_empty=True,
+            max_entries=MAX_PROOF_ENTRIES, max_value_length=MAX_PROOF_VALUE_LENGTH,
+        )  # fmt: skip
 
         def attempt(_: int) -> bool:
             now = self.now()
@@ -532,8 +649,9 @@ class SchedulerApplication(Application[UUID]):
             record = sandbox.release(generation, fencing_token, proof, now)
             if record is None:
                 return False
-            runner = self._load(runner_uuid(record["runner_id"]), Runner)
-            assert runner is not None
+            runner = self._load_runner(record["runner_id"])
+            if not runner.holds(sandbox_id, generation):
+                raise StaleRead  # a rival's release committed between the two reads
             runner.release(
                 sandbox_id=sandbox_id, generation=generation, release_proof=proof, at=now
             )
@@ -564,6 +682,10 @@ class SchedulerApplication(Application[UUID]):
         _require_generation(sandbox_id, generation)
         require_text("owner", owner)
         until = require_aware("until", until)
+        if until - self.now() > MAX_CLAIM_DURATION:
+            raise InvalidRequestError(
+                "until", f"a claim lasts at most {_seconds(MAX_CLAIM_DURATION)}", until
+            )
         return self._update_sandbox(
             sandbox_id, lambda sandbox, at: sandbox.claim_reconcile(generation, owner, until, at)
         )
@@ -606,12 +728,23 @@ class SchedulerApplication(Application[UUID]):
     def get_assignment(
         self, sandbox_id: str, generation: int | None = None
     ) -> DurableAssignment | None:
+        """The assignment of the current generation, or of ``generation``: a past one is
+        read from the assignments read model when it is kept current here, else folded
+        from the sandbox's events (the aggregate keeps only the current generation)."""
         require_text("sandbox_id", sandbox_id)
-        sandbox = self._load(sandbox_uuid(sandbox_id), Sandbox)
+        sandbox = self._load(sandbox_uuid(sandbox_id), Sandbox, copy=False)
         if sandbox is None:
             return None
-        record = sandbox.assignment(generation)
+        if generation is None or generation >= sandbox.generation:
+            record = sandbox.assignment(generation)
+            return None if record is None else to_durable_assignment(record)
+        if self.read_models is not None and self.catch_up_inline:
+            return self.read_models_now().assignments.of_generation(sandbox_id, generation)
+        record = self._assignment_history(sandbox_id).get(generation)
         return None if record is None else to_durable_assignment(record)
+
+    def _assignment_history(self, sandbox_id: str) -> dict[int, dict[str, Any]]:
+        return assignment_history(self.events.get(sandbox_uuid(sandbox_id)))
 
     def assignments(self, sandbox_id: str) -> list[DurableAssignment]:
         """Every generation's assignment of one sandbox, oldest first."""
@@ -638,6 +771,8 @@ class SchedulerApplication(Application[UUID]):
 
     def runner_snapshots(self, pool_name: str | None = None) -> list[RunnerSnapshot]:
         """Every registered runner (of one pool), sorted by id, from the read model."""
+        if pool_name is not None:
+            require_text("pool_name", pool_name)
         read_models = self.current_read_models()
         if read_models is not None:
             return read_models.runners.snapshots(pool_name)
@@ -654,6 +789,12 @@ class SchedulerApplication(Application[UUID]):
         return snapshot
 
     # -- read models ----------------------------------------------------------
+
+    def read_models_now(self) -> ReadModels:
+        """The read models, caught up (only when this application keeps them)."""
+        read_models = self.current_read_models()
+        assert read_models is not None
+        return read_models
 
     def current_read_models(self) -> ReadModels | None:
         """The read models, caught up first unless another process maintains them."""
@@ -681,11 +822,9 @@ class SchedulerApplication(Application[UUID]):
         return snapshots
 
     def fold_assignments(self, sandbox_id: str) -> list[DurableAssignment]:
-        sandbox = self._sandbox(sandbox_id)
-        return [
-            to_durable_assignment(sandbox.assignments[key])
-            for key in sorted(sandbox.assignments, key=int)
-        ]
+        self._sandbox(sandbox_id, copy=False)  # refuses an unknown sandbox
+        history = self._assignment_history(sandbox_id)
+        return [to_durable_assignment(history[generation]) for generation in sorted(history)]
 
     def fold_runner_assignments(self, runner_id: str) -> list[DurableAssignment]:
         runner = self._runner(runner_id)
@@ -744,6 +883,10 @@ def _require_timeout(value: object) -> None:
         raise InvalidRequestError("heartbeat_timeout", "must be a timedelta", value)
     if value <= timedelta(0):
         raise InvalidRequestError("heartbeat_timeout", "must be greater than zero")
+    if value > MAX_HEARTBEAT_TIMEOUT:
+        raise InvalidRequestError(
+            "heartbeat_timeout", f"must be at most {_seconds(MAX_HEARTBEAT_TIMEOUT)}", value
+        )
 
 
 def _require_generation(sandbox_id: object, generation: object) -> None:

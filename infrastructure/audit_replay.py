@@ -22,7 +22,7 @@ from secondbox_scheduler.domain.errors import (
 )
 from secondbox_scheduler.domain.evidence import RunnerEvaluation, Unlisted, summarize_refusals
 from secondbox_scheduler.domain.ids import lease_uuid, refusal_log_uuid, runner_uuid, sandbox_uuid
-from secondbox_scheduler.domain.values import DurableAssignment, RunnerSnapshot
+from secondbox_scheduler.domain.values import DurableAssignment, RunnerSnapshot, require_text
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.projections.event_decoder import EventDecoder
 from secondbox_scheduler.projections.notification_reader import gc_paused, read_pages
@@ -31,6 +31,7 @@ from secondbox_scheduler.projections.read_models import RebuildReport, read_raw
 PAGE = 1000  # progress is reported every PAGE events
 READ_PAGE = 5000  # notifications per query (the next page is read ahead)
 Until = int | datetime | None
+POSITION_MAX = 2**63 - 1  # notification ids are BIGINT
 
 
 def parse_until(text: str | None) -> Until:
@@ -38,14 +39,23 @@ def parse_until(text: str | None) -> Until:
     if text is None:
         return None
     if text.isdigit():
-        return int(text)
+        position = int(text)
+        if position > POSITION_MAX:
+            raise InvalidRequestError("until", f"a position is at most {POSITION_MAX}", text)
+        return position
     try:
         moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
-        raise InvalidRequestError("until", "must be a position or an ISO time", text) from None
+        raise InvalidRequestError(
+            "until", "must be a position or an ISO time", printable_text(text)
+        ) from None
     if moment.tzinfo is None:
         raise InvalidRequestError("until", "an ISO time needs a zone (Z or +00:00)", text)
     return moment
+
+
+def printable_text(text: str) -> str:
+    return text.encode("unicode_escape").decode("ascii")[:80]
 
 
 def _events(app: SchedulerApplication, until: Until) -> Iterator[tuple[int, Any]]:
@@ -196,9 +206,11 @@ def timeline(
     if (sandbox_id is None) == (runner_id is None):
         raise InvalidRequestError("sandbox_id", "give exactly one of sandbox_id or runner_id")
     if sandbox_id is not None:
+        require_text("sandbox_id", sandbox_id)
         streams = {"sandbox": sandbox_uuid(sandbox_id), "refusals": refusal_log_uuid(sandbox_id)}
     else:
         assert runner_id is not None
+        require_text("runner_id", runner_id)
         streams = {"runner": runner_uuid(runner_id), "lease": lease_uuid(runner_id)}
     entries = []
     for label, stream in streams.items():
@@ -302,6 +314,7 @@ def explain(
     app: SchedulerApplication, sandbox_id: str, generation: int | None = None
 ) -> Explanation:
     """Why this home runner, why each generation's runner, why each refusal."""
+    require_text("sandbox_id", sandbox_id)
     events: list[Any] = list(app.events.get(sandbox_uuid(sandbox_id)))
     refusals: list[Any] = list(app.events.get(refusal_log_uuid(sandbox_id)))
     if not events and not refusals:

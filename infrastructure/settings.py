@@ -8,20 +8,69 @@ eventsourcing settings given next to a URL win over what the URL implies.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from urllib.parse import parse_qs, unquote, urlsplit
+from datetime import timedelta
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlsplit, urlunsplit
 
 from secondbox_scheduler.domain.errors import InvalidRequestError
+from secondbox_scheduler.domain.limits import DEFAULT_CLOCK_TOLERANCE, MAX_CLOCK_TOLERANCE
 
 DATABASE_URL = "SECONDBOX_DATABASE_URL"
 LEASE_RENEWAL_SECONDS = "SECONDBOX_LEASE_RENEWAL_SECONDS"
 # "on" (default): reads catch the read models up first; "external": another process
 # (``secondbox-scheduler projections run``) maintains them; "off": read the aggregates.
 READ_MODELS = "SECONDBOX_READ_MODELS"
+# How far a caller's time may differ from the scheduler's clock (SPEC section 6a).
+CLOCK_TOLERANCE_SECONDS = "SECONDBOX_CLOCK_TOLERANCE_SECONDS"
 DEFAULT_SQLITE_URL = "sqlite:///secondbox.db"
 
 SQLITE_MODULE = "eventsourcing.sqlite"
 POSTGRES_MODULE = "eventsourcing.postgres"
+POSTGRES_SETTINGS = (
+    "POSTGRES_HOST",
+    "POSTGRES_PORT",
+    "POSTGRES_USER",
+    "POSTGRES_PASSWORD",
+    "POSTGRES_DBNAME",
+    "POSTGRES_SCHEMA",
+    "POSTGRES_CONNECT_TIMEOUT",
+)
+
+
+def clock_tolerance(value: str | None) -> timedelta:
+    """The clock tolerance setting: seconds, from 0 to the largest tolerance (300)."""
+    if not value:
+        return DEFAULT_CLOCK_TOLERANCE
+    limit = MAX_CLOCK_TOLERANCE.total_seconds()
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not 0 <= seconds <= limit:  # also refuses NaN
+        raise InvalidRequestError(
+            CLOCK_TOLERANCE_SECONDS, f"must be a number of seconds from 0 to {limit:g}", value
+        )
+    return timedelta(seconds=seconds)
+
+
+def redact_url(database_url: str) -> str:
+    """The URL with its password replaced by ``***`` (for every output: headers, JSON,
+    reports, logs, errors)."""
+    parts = urlsplit(database_url)
+    if parts.password is None:
+        return database_url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def sqlite_path(database_url: str) -> Path | None:
+    """The file of a ``sqlite:///`` URL (None for other stores and in-memory SQLite)."""
+    if not database_url.lower().startswith("sqlite:"):
+        return None
+    name = settings_from_url(database_url)["SQLITE_DBNAME"]
+    return None if name.startswith("file:") else Path(name)
 
 
 def settings_from_url(url: str) -> dict[str, str]:
@@ -60,7 +109,8 @@ def settings_from_url(url: str) -> dict[str, str]:
         return settings
     raise InvalidRequestError(
         DATABASE_URL,
-        f"must start with sqlite:/// or postgresql:// (got {scheme + '://' if scheme else url!r})",
+        "must start with sqlite:/// or postgresql:// "
+        f"(got {scheme + '://' if scheme else redact_url(url)!r})",
     )
 
 

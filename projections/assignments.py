@@ -85,6 +85,10 @@ class AssignmentsView(SqlView):
     def by_sandbox(self, sandbox_id: str) -> list[DurableAssignment]:
         return self._select("sandbox_id = %s", [sandbox_id])
 
+    def of_generation(self, sandbox_id: str, generation: int) -> DurableAssignment | None:
+        found = self._select("sandbox_id = %s AND generation = %s", [sandbox_id, generation])
+        return found[0] if found else None
+
     def by_runner(self, runner_id: str, *, holding: bool = True) -> list[DurableAssignment]:
         """Assignments fenced on ``runner_id``; by default only those holding capacity."""
         if holding:

@@ -9,10 +9,11 @@ with orjson, converts the transcoder's ``{"_type_": ..., "_data_": ...}`` object
 innermost first as the object hook does (ISO datetimes and hex UUIDs parsed directly),
 and looks each topic's event class and id convertor up once.
 
-Anything else goes to the mapper itself, so results and errors are always the
-mapper's: another mapper or transcoder, a class with ``class_version`` (upcasting), a
-state orjson refuses (NaN) or may read differently (orjson reads an integer beyond 64
-bits as a float, so any float of that size goes to the mapper).
+A class with a ``class_version`` is upcast as the mapper does (the stored state's
+``class_version``, 1 when absent, then each ``upcast_vN_vN+1`` in turn). Anything else
+goes to the mapper itself, so results and errors are always the mapper's: another mapper
+or transcoder, a state orjson refuses (NaN) or may read differently (orjson reads an
+integer beyond 64 bits as a float, so any float of that size goes to the mapper).
 ``tests/test_event_decoder.py`` checks that both give equal events for every kind.
 """
 
@@ -47,7 +48,7 @@ class EventDecoder:
 
     def __init__(self, mapper: Any) -> None:
         self.mapper = mapper
-        self._topics: dict[str, tuple[type[Any], Convert] | None] = {}
+        self._topics: dict[str, tuple[type[Any], Convert, int] | None] = {}
         transcoder = getattr(mapper, "transcoder", None)
         self.lean = (
             type(mapper).to_domain_event is Mapper.to_domain_event
@@ -76,24 +77,27 @@ class EventDecoder:
             return self.mapper.to_domain_event(stored)
         try:
             state = orjson.loads(stored.state)
-            if type(state) is not dict or "class_version" in state:
+            if type(state) is not dict:
                 return self.mapper.to_domain_event(stored)
             self._convert(state)
         except Exception:
             return self.mapper.to_domain_event(stored)  # the mapper's result or error
-        cls, convert_id = entry
+        cls, convert_id, class_version = entry
         state["originator_id"] = convert_id(stored.originator_id)
         state["originator_version"] = stored.originator_version
+        version = state.pop("class_version", 1)
+        while version < class_version:
+            getattr(cls, f"upcast_v{version}_v{version + 1}")(state)
+            version += 1
         event = object.__new__(cls)
         object.__setattr__(event, "__dict__", state)
         return event
 
-    def _learn(self, topic: str) -> tuple[type[Any], Convert] | None:
+    def _learn(self, topic: str) -> tuple[type[Any], Convert, int] | None:
         entry = None
         if self.lean:
             cls = resolve_topic(topic)
-            if getattr(cls, "class_version", 1) == 1:
-                entry = (cls, find_id_convertor(cls, UUID))
+            entry = (cls, find_id_convertor(cls, UUID), getattr(cls, "class_version", 1))
         self._topics[topic] = entry
         return entry
 

@@ -36,6 +36,7 @@ from secondbox_scheduler.infrastructure import (
     PostgresStore,
     PostgresStoreConfig,
     SchedulerApplication,
+    StoreUnavailableError,
 )
 
 __version__ = "0.2.0"
@@ -60,6 +61,7 @@ __all__ = [
     "SchedulerError",
     "SerializationContentionError",
     "StaleFenceError",
+    "StoreUnavailableError",
     "__version__",
     "select_home_runner",
     "select_runner",

@@ -26,6 +26,7 @@ GOALS = {
     "contention_goodput",
     "selection_scaling",
     "history_growth",
+    "generation_growth",
     "audit_replay",
     "projection_rebuild",
 }
@@ -115,6 +116,13 @@ def test_quick_bench_on_sqlite_reports_every_section_and_goal(quick: QuickRun) -
 
     history = report["history"]["rows"]
     assert [row["events"] for row in history] == [10, 1_000, 10_000]
+    generations = report["history"]["generations"]
+    sizes = list(BenchSettings.make(quick=True).generation_sizes)
+    assert [row["generations"] for row in generations] == sizes
+    for row in generations:
+        assert row["sandbox_events"] == 1 + 3 * row["generations"]
+    # the state is bounded: the latest snapshot does not grow with the generations
+    assert generations[-1]["latest_snapshot_bytes"] <= generations[0]["latest_snapshot_bytes"] + 64
 
     replay = report["replay"]
     assert replay["audit_verify"]["ok"]

@@ -24,7 +24,7 @@ from secondbox_scheduler.domain.reconcile import (
     decide_reconcile,
 )
 from secondbox_scheduler.domain.runner import Runner
-from secondbox_scheduler.domain.sandbox import Sandbox
+from secondbox_scheduler.domain.sandbox import Sandbox, assignment_history
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.reconciler import Reconciler
 from tests.conftest import Clock
@@ -209,9 +209,8 @@ COMMANDS = st.lists(
 def reserved_sum_from_sandboxes(app: SchedulerApplication, sandboxes: list[str]) -> int:
     total = 0
     for sandbox_id in sandboxes:
-        sandbox: object = app.repository.get(sandbox_uuid(sandbox_id))
-        assert isinstance(sandbox, Sandbox)
-        for record in sandbox.assignments.values():
+        events = app.events.get(sandbox_uuid(sandbox_id))  # every generation, from the events
+        for record in assignment_history(events).values():
             if record["state"] != "released":
                 total += record["capacity"]["instances"]
     return total

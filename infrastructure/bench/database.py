@@ -172,12 +172,3 @@ def machine_info(fresh: FreshDatabase) -> dict[str, Any]:
         "eventsourcing": metadata.version("eventsourcing"),
         "database": database,
     }
-
-
-def store_env(url: str) -> dict[str, str]:
-    """The applications' settings for the run's database (a PostgreSQL connect timeout
-    unless one is set)."""
-    env = {DATABASE_URL: url}
-    if "POSTGRES_CONNECT_TIMEOUT" not in os.environ:
-        env["POSTGRES_CONNECT_TIMEOUT"] = "10"
-    return env

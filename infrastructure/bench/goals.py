@@ -8,6 +8,7 @@ from typing import Any
 GOAL_PLACEMENT = 0.5
 GOAL_CONTENTION = 0.3
 GOAL_SELECTION = 3.0
+GOAL_FLAT_SNAPSHOT = 1.1  # a snapshot may grow by the digits of larger numbers only
 GOAL_HISTORY = 2.0
 GOAL_REPLAY = 0.5
 
@@ -88,6 +89,23 @@ def evaluate_goals(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
         )
     else:
         goals["history_growth"] = _skipped(target)
+
+    generations = (history or {}).get("generations")
+    target = f"a sandbox's latest snapshot flat and its load <= {GOAL_HISTORY} x by generations"
+    if generations:
+        first, last = generations[0], generations[-1]
+        snapshot_ratio = last["latest_snapshot_bytes"] / max(1, first["latest_snapshot_bytes"])
+        load_ratio = last["cold_ms"] / first["cold_ms"]
+        goals["generation_growth"] = _goal(
+            target,
+            round(max(snapshot_ratio, load_ratio), 2),
+            snapshot_ratio <= GOAL_FLAT_SNAPSHOT and load_ratio <= GOAL_HISTORY,
+            f"{last['generations']:,} generations: snapshot {last['latest_snapshot_bytes']:,} B "
+            f"({snapshot_ratio:.2f}x), cold load {last['cold_ms']:.2f} ms ({load_ratio:.2f}x), "
+            f"{last['bytes_per_generation']:,.0f} B stored per generation",
+        )
+    else:
+        goals["generation_growth"] = _skipped(target)
 
     replay = report.get("replay")
     for key, name, label in (

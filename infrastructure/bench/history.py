@@ -28,6 +28,7 @@ from secondbox_scheduler.domain.ids import runner_uuid
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.values import Capacity
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.bench.generations import measure_generations
 from secondbox_scheduler.infrastructure.bench.settings import BenchSettings, Progress
 from secondbox_scheduler.infrastructure.bench.timing import median_ms
 
@@ -150,6 +151,13 @@ def measure_history(
 def measure_history_section(
     env: dict[str, str], settings: BenchSettings, progress: Progress
 ) -> dict[str, Any]:
-    """The history section of a bench run: :func:`measure_history` at the run's sizes."""
+    """The history section of a bench run: :func:`measure_history` at the run's sizes,
+    and a sandbox's growth by generations (:mod:`.generations`)."""
     rows = measure_history(env, settings.history_sizes, settings.history_repeat, progress)
-    return {"rows": [row.to_dict() for row in rows]}
+    generations = measure_generations(
+        env, settings.generation_sizes, settings.history_repeat, progress
+    )
+    return {
+        "rows": [row.to_dict() for row in rows],
+        "generations": [row.to_dict() for row in generations],
+    }

@@ -140,6 +140,26 @@ def history_table(report: dict[str, Any]) -> Table | None:
     return table
 
 
+def generations_table(report: dict[str, Any]) -> Table | None:
+    rows = (report.get("history") or {}).get("generations")
+    if not rows:
+        return None
+    table = Table(title="One sandbox by generations (stored and loaded)", box=box.SIMPLE)
+    for column in ("generations", "sandbox events", "stored MB", "bytes per generation",
+                   "latest snapshot bytes", "cold load ms"):  # fmt: skip
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(
+            f"{row['generations']:,}",
+            f"{row['sandbox_events']:,}",
+            f"{row['stored_bytes'] / 1e6:,.2f}",
+            f"{row['bytes_per_generation']:,.0f}",
+            f"{row['latest_snapshot_bytes']:,}",
+            f"{row['cold_ms']:.2f}",
+        )
+    return table
+
+
 def replay_table(report: dict[str, Any]) -> Table | None:
     replay = report.get("replay")
     if not replay:
@@ -189,6 +209,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         throughput_table(report),
         selection_table(report),
         history_table(report),
+        generations_table(report),
         replay_table(report),
         goals_table(report),
     ):

@@ -12,7 +12,6 @@ from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.bench.database import (
     bench_database,
     machine_info,
-    store_env,
 )
 from secondbox_scheduler.infrastructure.bench.errors import BenchError
 from secondbox_scheduler.infrastructure.bench.goals import evaluate_goals
@@ -26,6 +25,7 @@ from secondbox_scheduler.infrastructure.bench.throughput import (
     measure_raw,
 )
 from secondbox_scheduler.infrastructure.bench.workers import RawBaseline, WorkerPool, raw_env
+from secondbox_scheduler.infrastructure.settings import DATABASE_URL
 
 DEFAULT_RATE = 1000.0  # schedules/s assumed when no raw baseline was measured
 
@@ -49,7 +49,7 @@ def run_bench(
         report["database"] = fresh.shown
         report["kept"] = keep
         report["machine"] = machine_info(fresh)
-        env = store_env(fresh.url)
+        env = {DATABASE_URL: fresh.url}
         progress(f"fresh database {fresh.shown}")
         app = SchedulerApplication(env=env)  # creates the tables before any worker starts
         RawBaseline(env=raw_env(env)).close()

@@ -28,6 +28,7 @@ class BenchSettings:
     create_calls: tuple[int, ...] = (20, 10, 5)
     history_sizes: tuple[int, ...] = (10, 1_000, 100_000)
     history_repeat: int = 15
+    generation_sizes: tuple[int, ...] = (100, 1_000, 10_000)
     sections: tuple[str, ...] = SECTIONS
 
     @classmethod
@@ -55,6 +56,7 @@ class BenchSettings:
                 create_calls=(5, 5, 3),
                 history_sizes=(10, 1_000, 10_000),
                 history_repeat=7,
+                generation_sizes=(20, 100, 400),
                 sections=sections,
             )
         else:

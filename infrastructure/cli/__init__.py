@@ -14,6 +14,9 @@ This module builds the typer app ``cli`` from the command groups, one module eac
 
 from __future__ import annotations
 
+import os
+import sys
+
 import typer
 
 from secondbox_scheduler.infrastructure.cli import (
@@ -25,6 +28,7 @@ from secondbox_scheduler.infrastructure.cli import (
     projections,
     simulate,
 )
+from secondbox_scheduler.infrastructure.cli.common import EXIT_REFUSED, say_error, shown
 
 __all__ = ["cli", "main"]
 
@@ -39,7 +43,7 @@ cli = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode="rich",
-    pretty_exceptions_show_locals=False,
+    pretty_exceptions_enable=False,
 )
 # The top-level commands, in the order --help lists them; then the command groups.
 cli.registered_commands += [
@@ -54,5 +58,21 @@ cli.add_typer(bench.bench_cli, name="bench")
 
 
 def main() -> None:
-    """Console-script entry point (``secondbox-scheduler``)."""
-    cli()
+    """Console-script entry point (``secondbox-scheduler``). Whatever goes wrong, the
+    answer is one line on stderr, never a traceback (``SECONDBOX_DEBUG=1`` shows it):
+    an expected failure is reported by the command itself (exit 2); anything else is a
+    fault of ours, said as such (exit 2 too)."""
+    try:
+        cli()
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as error:
+        if os.environ.get("SECONDBOX_DEBUG"):
+            raise
+        say_error(
+            shown(
+                f"unexpected {type(error).__name__}: {error} (a fault of the scheduler: "
+                "please report it; SECONDBOX_DEBUG=1 shows the traceback)"
+            )
+        )
+        sys.exit(EXIT_REFUSED)

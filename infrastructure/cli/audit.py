@@ -7,7 +7,6 @@ from typing import Annotated
 import typer
 from rich import box
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -18,6 +17,7 @@ from secondbox_scheduler.infrastructure.cli.common import (
     open_store,
     print_json,
     reported_errors,
+    shown,
     stdout,
     store_errors,
 )
@@ -78,7 +78,7 @@ def audit_verify(
     else:
         console = stdout()
         for violation in report.violations:
-            console.print(f"[red]violation[/red] {escape(str(violation))}")
+            console.print(f"[red]violation[/red] {shown(str(violation))}")
         verdict = (
             "[green]OK[/green]"
             if report.ok
@@ -150,8 +150,9 @@ def audit_timeline(
     if as_json:
         print_json([entry.to_dict() for entry in entries])
         return
+    subject = f"sandbox {shown(sandbox)}" if sandbox else f"runner {shown(runner)}"
     table = Table(
-        title=f"Timeline of {'sandbox ' + str(sandbox) if sandbox else 'runner ' + str(runner)}",
+        title=f"Timeline of {subject}",
         box=box.SIMPLE,
     )
     for column in ("time", "stream", "v", "event", "fields"):
@@ -159,7 +160,11 @@ def audit_timeline(
     for entry in entries:
         fields = ", ".join(f"{k}={v}" for k, v in entry.fields.items())
         table.add_row(
-            format_time(entry.time), entry.stream, str(entry.version), entry.event, escape(fields)
+            format_time(entry.time),
+            shown(entry.stream),
+            str(entry.version),
+            entry.event,
+            shown(fields),
         )
     stdout().print(table)
 
@@ -198,15 +203,15 @@ def audit_explain(
         print_json(explanation.to_dict())
         return
     console = stdout()
-    console.print(f"[bold]sandbox {escape(sandbox_id)}[/bold]")
+    console.print(f"[bold]sandbox {shown(sandbox_id)}[/bold]")
     for decision in explanation.decisions:
         console.print(
-            f"\n[bold]{escape(decision.title)}[/bold] at {format_time(decision.decided_at)} "
+            f"\n[bold]{shown(decision.title)}[/bold] at {format_time(decision.decided_at)} "
             f"(heartbeat timeout {decision.heartbeat_timeout_seconds:g}s)"
         )
-        console.print(f"  {escape(decision.summary)}")
+        console.print(f"  {shown(decision.summary)}")
         for key, value in decision.detail.items():
-            console.print(f"  {key}: {escape(str(value))}")
+            console.print(f"  {key}: {shown(str(value))}")
         for line in decision.candidates:
             reasons = "; ".join(
                 r["code"] + (f" (short {r['shortfall']})" if r.get("shortfall") else "")
@@ -215,7 +220,8 @@ def audit_explain(
             rank = ""
             if line.rank:
                 rank = ", ".join(f"{k} {v:,}" for k, v in line.rank.items())
-            console.print(f"  {line.runner_id:<16} {line.verdict:<26} {escape(reasons or rank)}")
+            runner_id = shown(line.runner_id)
+            console.print(f"  {runner_id:<16} {line.verdict:<26} {shown(reasons or rank)}")
 
 
 def _one_sandbox(option: str | None, positional: str | None) -> str:

@@ -14,13 +14,12 @@ from secondbox_scheduler.infrastructure.cli.common import (
     JsonOutput,
     fail,
     print_json,
-    redact,
     reported_errors,
     stdout,
     store_env,
     store_errors,
 )
-from secondbox_scheduler.infrastructure.settings import DATABASE_URL
+from secondbox_scheduler.infrastructure.settings import DATABASE_URL, redact_url
 
 BENCH_HELP = (
     "Benchmarks that print figures (never timed tests). See docs/performance.md.\n\n"
@@ -166,9 +165,9 @@ def bench_history(
             progress=(lambda _: None) if as_json else (lambda m: err.print(f"[dim]{m}…[/dim]")),
         )
     if as_json:
-        print_json({"database_url": redact(database_url), "rows": [r.to_dict() for r in rows]})
+        print_json({"database_url": redact_url(database_url), "rows": [r.to_dict() for r in rows]})
         return
-    table = Table(title=f"Runner load cost by history ({redact(database_url)})", box=box.SIMPLE)
+    table = Table(title=f"Runner load cost by history ({redact_url(database_url)})", box=box.SIMPLE)
     for column in (
         "events",
         "snapshot at",

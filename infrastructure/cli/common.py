@@ -9,28 +9,25 @@ the number and time formats that several command groups print.
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Iterator
+import unicodedata
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Annotated, Any, NoReturn
-from urllib.parse import urlsplit, urlunsplit
 
 import typer
 from eventsourcing.persistence import PersistenceError
 from rich.console import Console
 from rich.markup import escape
+from rich.segment import Segment
 
 from secondbox_scheduler.domain.errors import SchedulerError
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
-from secondbox_scheduler.infrastructure.settings import DATABASE_URL
-from secondbox_scheduler.infrastructure.simulation import sqlite_path
+from secondbox_scheduler.infrastructure.settings import DATABASE_URL, redact_url, sqlite_path
 
 GIB = 2**30
 EXIT_REFUSED = 2
 PIPE_WIDTH = 160
-CONNECT_TIMEOUT = "POSTGRES_CONNECT_TIMEOUT"
-DEFAULT_CONNECT_TIMEOUT_SECONDS = "10"
 
 DatabaseUrl = Annotated[
     str,
@@ -53,12 +50,53 @@ class CommandError(Exception):
     """A problem of the command's input or environment, reported as one line."""
 
 
+def printable(text: str, *, keep_newlines: bool = False) -> str:
+    """``text`` with every control and bidirectional-formatting character written as an
+    escape (``\x1b``, ``\u202e``), so that data (an id, a reason) can never move the
+    cursor, change colours or reorder what a terminal shows."""
+    if text.isprintable():
+        return text
+    out = []
+    for character in text:
+        if character == "\n" and keep_newlines:
+            out.append(character)
+        elif unicodedata.category(character) in ("Cc", "Cf", "Cs"):
+            code = ord(character)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+        else:
+            out.append(character)
+    return "".join(out)
+
+
+def shown(value: object) -> str:
+    """Data for a human table or line: control characters escaped, markup inert."""
+    return escape(printable(str(value)))
+
+
+class SafeConsole(Console):
+    """A console that escapes control characters in what it writes (the styles it adds
+    itself are not text, so they stay): the last guard for data printed for people."""
+
+    def _render_buffer(self, buffer: Iterable[Segment]) -> str:
+        return super()._render_buffer(
+            segment
+            if segment.control or segment.text.isprintable()
+            else Segment(printable(segment.text, keep_newlines=True), segment.style)
+            for segment in buffer
+        )
+
+
 def fail(message: str) -> NoReturn:
     """Print ``error: message`` on stderr and exit with code 2."""
-    Console(stderr=True, highlight=False, soft_wrap=True).print(
+    say_error(message)
+    raise typer.Exit(EXIT_REFUSED)
+
+
+def say_error(message: str) -> None:
+    """``error: message`` on stderr, one line (``message`` is markup)."""
+    SafeConsole(stderr=True, highlight=False, soft_wrap=True).print(
         f"[bold red]error:[/bold red] {message}", markup=True
     )
-    raise typer.Exit(EXIT_REFUSED)
 
 
 @contextmanager
@@ -79,24 +117,13 @@ def store_errors(database_url: str) -> Iterator[None]:
         yield
     except PersistenceError as error:
         detail = f"{type(error).__name__}: {error}".strip()
-        raise CommandError(f"database error on {redact(database_url)}: {detail}") from None
-
-
-def redact(database_url: str) -> str:
-    """The URL with its password replaced by ***."""
-    parts = urlsplit(database_url)
-    if not parts.password:
-        return database_url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
+        raise CommandError(f"database error on {redact_url(database_url)}: {detail}") from None
 
 
 def store_env(database_url: str) -> dict[str, str]:
-    """Application settings for the store; a PostgreSQL connect timeout unless one is set."""
-    env = {DATABASE_URL: database_url}
-    if CONNECT_TIMEOUT not in os.environ:
-        env[CONNECT_TIMEOUT] = DEFAULT_CONNECT_TIMEOUT_SECONDS
-    return env
+    """Application settings for the store (the connect timeout is the application's,
+    ``POSTGRES_CONNECT_TIMEOUT``, a few seconds unless set)."""
+    return {DATABASE_URL: database_url}
 
 
 def open_store(database_url: str, *, must_exist: bool = True) -> SchedulerApplication:
@@ -118,9 +145,9 @@ def print_json(data: Any) -> None:
 
 def stdout() -> Console:
     """Tables for people: the terminal's width, or wide enough not to fold when piped."""
-    console = Console(highlight=False)
+    console = SafeConsole(highlight=False)
     if not console.is_terminal:
-        console = Console(highlight=False, width=max(console.width, PIPE_WIDTH))
+        console = SafeConsole(highlight=False, width=max(console.width, PIPE_WIDTH))
     return console
 
 

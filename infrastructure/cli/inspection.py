@@ -18,6 +18,7 @@ from secondbox_scheduler.infrastructure.cli.common import (
     open_store,
     print_json,
     reported_errors,
+    shown,
     stdout,
     store_errors,
 )
@@ -74,7 +75,7 @@ def list_runners(
 
 
 def runner_table(snapshots: list[RunnerSnapshot], pool: str | None = None) -> Table:
-    title = f"Runners of pool {pool}" if pool else "Runners"
+    title = f"Runners of pool {shown(pool)}" if pool else "Runners"
     table = Table(title=f"{title} ({len(snapshots)})", box=box.SIMPLE_HEAD, title_justify="left")
     for name in ("id", "pool", "arch", "backend", "drain", "last heartbeat"):
         table.add_column(name)
@@ -83,11 +84,11 @@ def runner_table(snapshots: list[RunnerSnapshot], pool: str | None = None) -> Ta
     for runner in snapshots:
         reserved, allocatable = runner.reserved, runner.allocatable
         table.add_row(
-            runner.id,
-            runner.pool_name,
-            runner.architecture,
-            runner.backend_kind or "-",
-            runner.drain_phase,
+            shown(runner.id),
+            shown(runner.pool_name),
+            shown(runner.architecture),
+            shown(runner.backend_kind or "-"),
+            shown(runner.drain_phase),
             format_time(runner.last_heartbeat_at),
             _pair(reserved.vcpu_count, allocatable.vcpu_count),
             _pair(reserved.memory_bytes, allocatable.memory_bytes, GIB),
@@ -168,10 +169,10 @@ def assignment_table(found: list[DurableAssignment], title: str) -> Table:
     table.add_column("updated")
     for assignment in found:
         table.add_row(
-            assignment.sandbox_id,
+            shown(assignment.sandbox_id),
             str(assignment.generation),
-            assignment.state,
-            assignment.runner_id,
+            shown(assignment.state),
+            shown(assignment.runner_id),
             assignment.fencing_token.hex()[:16] + "…",
             str(assignment.capacity.vcpu_count),
             gib(assignment.capacity.memory_bytes),

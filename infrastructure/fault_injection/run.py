@@ -90,10 +90,14 @@ def run_fault_injection(
 
         def start(worker: dict[str, Any]) -> subprocess.Popen[bytes]:
             log = (directory / f"worker-{worker['index']}.log").open("ab")
-            return subprocess.Popen(
-                [sys.executable, "-m", WORKER_MODULE, json.dumps(worker)],
+            process = subprocess.Popen(
+                [sys.executable, "-m", WORKER_MODULE], stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL, stderr=log,
             )  # fmt: skip
+            assert process.stdin is not None  # the config (and its URL) never on a command line
+            process.stdin.write(json.dumps(worker).encode() + b"\n")
+            process.stdin.close()
+            return process
 
         processes = [start(worker) for worker in configs]
         kill_times = sorted(

@@ -151,7 +151,7 @@ class Worker:
 
 
 def main() -> None:
-    config = json.loads(sys.argv[1])
+    config = json.loads(sys.stdin.readline())  # not argv: it holds the database URL
     path = Path(config["journal"])
     previous = (
         [json.loads(line) for line in path.read_text().splitlines() if line]

@@ -73,7 +73,6 @@ from secondbox_scheduler.infrastructure.simulation.result import (
 from secondbox_scheduler.infrastructure.simulation.run import (
     delete_sqlite_database,
     run_simulation,
-    sqlite_path,
 )
 
 __all__ = [
@@ -97,6 +96,5 @@ __all__ = [
     "plan_fleet",
     "plan_profiles",
     "run_simulation",
-    "sqlite_path",
     "summarise",
 ]

@@ -18,6 +18,7 @@ from secondbox_scheduler.domain.reconcile import ACTIONS
 from secondbox_scheduler.domain.values import RunnerSnapshot
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.reconciler import ReconcileReport
+from secondbox_scheduler.infrastructure.settings import redact_url
 from secondbox_scheduler.infrastructure.simulation.config import (
     HEARTBEAT_TIMEOUT,
     OPERATION_DEADLINE,
@@ -200,7 +201,7 @@ def summarise(simulation: FleetSimulation, events_before: int, elapsed: float) -
         runners=simulation.config.runners,
         sandboxes=simulation.config.sandboxes,
         cycles=simulation.config.cycles,
-        database_url=simulation.config.database_url,
+        database_url=redact_url(simulation.config.database_url),
         simulated_seconds=(simulation.now() - SIM_START).total_seconds(),
         sandboxes_created=counts["sandboxes_created"],
         start_attempts=counts["start_attempts"],

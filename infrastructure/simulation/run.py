@@ -11,7 +11,7 @@ from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.settings import (
     DATABASE_URL,
     READ_MODELS,
-    settings_from_url,
+    sqlite_path,
 )
 from secondbox_scheduler.infrastructure.simulation.config import SimulatedClock, SimulationConfig
 from secondbox_scheduler.infrastructure.simulation.fleet import FleetSimulation
@@ -51,15 +51,6 @@ def run_simulation(
         return summarise(simulation, before, time.perf_counter() - started)
     finally:
         app.close()
-
-
-def sqlite_path(database_url: str) -> Path | None:
-    """The file a sqlite URL names (None for other stores and in-memory databases)."""
-    settings = settings_from_url(database_url)
-    name = settings.get("SQLITE_DBNAME")
-    if not name or name.startswith("file:"):
-        return None
-    return Path(name)
 
 
 def delete_sqlite_database(path: Path) -> None:

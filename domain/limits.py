@@ -1,0 +1,58 @@
+"""Bounds on every input: the documented limits (docs/operations.md, "Limits").
+
+A value past a limit is refused with :class:`InvalidRequestError` naming the field and
+the rule, before anything is written. Identifiers and names are short, printable
+Unicode (no control characters, no lone surrogates, which no store can encode); free
+text (map values) may be longer; collections are bounded so that no event, snapshot or
+read-model row can be made arbitrarily large by a caller.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from datetime import timedelta
+
+from secondbox_scheduler.domain.errors import InvalidRequestError
+
+MAX_NAME_LENGTH = 256  # ids, names, digests, capability names, proof keys' and maps' keys
+MAX_TEXT_LENGTH = 4096  # values of string maps (resolved artifacts, assignment command)
+MIN_FENCING_TOKEN_BYTES = 32
+MAX_FENCING_TOKEN_BYTES = 512
+MAX_ITEMS = 64  # capabilities, egress contexts, digests, materializations, map entries
+MAX_PROOF_ENTRIES = 16
+MAX_PROOF_VALUE_LENGTH = 1024
+MAX_HEARTBEAT_TIMEOUT = timedelta(days=1)
+MAX_CLAIM_DURATION = timedelta(hours=1)  # claim_reconcile: until - now
+MAX_DEADLINE_AHEAD = timedelta(days=7)  # ScheduleRequest deadlines after its now
+MAX_RETRY_LIMIT = 1000  # an assignment's failure retries
+MAX_SERIALIZATION_RETRY_LIMIT = 4096  # lost optimistic-concurrency races per call
+DEFAULT_CLOCK_TOLERANCE = timedelta(seconds=5)
+MAX_CLOCK_TOLERANCE = timedelta(seconds=300)  # also what audit verify allows a record
+
+
+def text_problem(value: str, *, max_length: int, name: bool) -> str | None:
+    """Why ``value`` is not acceptable text (None: it is). ``name``: an identifier-like
+    value, which must also be free of every control character."""
+    if len(value) > max_length:
+        return f"must be at most {max_length} characters (got {len(value)})"
+    if "\x00" in value:
+        return "must not contain NUL characters"
+    for character in value:
+        category = unicodedata.category(character)
+        if category == "Cs":
+            return "must be valid Unicode (a lone surrogate cannot be stored)"
+        if name and category == "Cc":
+            return f"must not contain control characters (found {character!r})"
+    return None
+
+
+def check_name(field: str, value: str) -> str:
+    problem = text_problem(value, max_length=MAX_NAME_LENGTH, name=True)
+    if problem:
+        raise InvalidRequestError(field, problem)
+    return value
+
+
+def check_items(field: str, count: int, limit: int = MAX_ITEMS) -> None:
+    if count > limit:
+        raise InvalidRequestError(field, f"must have at most {limit} entries (got {count})")

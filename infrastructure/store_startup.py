@@ -1,0 +1,132 @@
+"""Opening a store: fast, specific connection errors, and schema creation one at a time.
+
+Before the eventsourcing recorders open their connection pool (whose failures all look
+alike and surface only after the pool's timeout), the application connects once, with
+the connect timeout, and turns what went wrong into a :class:`StoreUnavailableError`
+with a ``reason``: unknown host, refused connection, missing database, refused role,
+no answer in time; for SQLite, a file that is not a database or cannot be opened.
+
+On PostgreSQL the same connection then holds an advisory lock while the tables, types
+and indexes are created (the event and snapshot stores' and the read models'), so that
+replicas that start together never run the same ``CREATE`` statements at the same
+moment ("tuple concurrently updated", duplicate ``pg_type`` rows): the first creates
+them, the others find them there.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import zlib
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+import psycopg
+from psycopg.conninfo import make_conninfo
+
+from secondbox_scheduler.domain.errors import SchedulerError
+
+DEFAULT_CONNECT_TIMEOUT_SECONDS = 5
+REASONS = {
+    "unknown-host": "unknown host (the name does not resolve)",
+    "connection-refused": "connection refused (is the server running and listening there?)",
+    "database-missing": "the database does not exist",
+    "authentication-failed": "authentication failed (unknown role, wrong password, or no login)",
+    "timeout": "no answer within the connect timeout",
+    "not-a-database": "the file is not a SQLite database",
+    "cannot-open": "cannot open the database file (missing directory or no permission)",
+    "unavailable": "the store is unavailable",
+}
+_POSTGRES_SIGNS = (  # (reason, a fragment of libpq's or the server's message), in order
+    ("timeout", "timeout expired"),
+    ("unknown-host", "failed to resolve host"),
+    ("unknown-host", "could not translate host name"),
+    ("unknown-host", "Name or service not known"),
+    ("connection-refused", "Connection refused"),
+    ("database-missing", 'database "'),
+    ("authentication-failed", 'role "'),
+    ("authentication-failed", "authentication failed"),
+    ("authentication-failed", "not permitted to log in"),
+    ("authentication-failed", "no pg_hba.conf entry"),
+)
+
+
+class StoreUnavailableError(SchedulerError):
+    """The store cannot be reached or opened; ``reason`` says why (see ``REASONS``)."""
+
+    def __init__(self, reason: str, target: str, detail: str = "") -> None:
+        self.reason = reason
+        self.target = target
+        self.retryable = reason in ("timeout", "connection-refused", "unavailable")
+        message = f"SecondBox scheduler store unavailable: {target}: {REASONS[reason]}"
+        super().__init__(f"{message} ({detail})" if detail else message)
+
+
+def postgres_target(settings: Mapping[str, str]) -> str:
+    """Where a PostgreSQL store is, for messages (never its password)."""
+    user = settings.get("POSTGRES_USER", "")
+    host = settings.get("POSTGRES_HOST", "")
+    return f"postgresql://{user}@{host}:{settings.get('POSTGRES_PORT', '5432')}/" + (
+        settings.get("POSTGRES_DBNAME", "")
+    )
+
+
+def connect_timeout(settings: Mapping[str, str]) -> int:
+    value = settings.get("POSTGRES_CONNECT_TIMEOUT", "")
+    try:
+        return max(1, int(float(value))) if value else DEFAULT_CONNECT_TIMEOUT_SECONDS
+    except ValueError:
+        return DEFAULT_CONNECT_TIMEOUT_SECONDS
+
+
+def connect_postgres(settings: Mapping[str, str]) -> psycopg.Connection[tuple[object, ...]]:
+    """One connection with the connect timeout, or a StoreUnavailableError saying why."""
+    conninfo = make_conninfo(
+        host=settings.get("POSTGRES_HOST") or None,
+        port=settings.get("POSTGRES_PORT") or None,
+        user=settings.get("POSTGRES_USER") or None,
+        password=settings.get("POSTGRES_PASSWORD") or None,
+        dbname=settings.get("POSTGRES_DBNAME") or None,
+        connect_timeout=max(2, connect_timeout(settings)),  # libpq's least useful value
+    )
+    try:
+        return psycopg.connect(conninfo, autocommit=True)
+    except psycopg.OperationalError as error:
+        text = str(error)
+        password = settings.get("POSTGRES_PASSWORD")
+        if password:
+            text = text.replace(password, "***")
+        reason = next((r for r, sign in _POSTGRES_SIGNS if sign in text), "unavailable")
+        detail = " ".join(text.split())
+        raise StoreUnavailableError(reason, postgres_target(settings), detail) from None
+
+
+@contextmanager
+def postgres_schema_lock(settings: Mapping[str, str]) -> Iterator[None]:
+    """Check that the server answers, then hold an advisory lock (one per schema) while
+    the body creates what is missing."""
+    schema = settings.get("POSTGRES_SCHEMA") or "public"
+    key = zlib.crc32(f"secondbox-scheduler schema {schema}".encode())
+    with connect_postgres(settings) as connection:
+        connection.execute("SELECT pg_advisory_lock(%s)", (key,))
+        try:
+            yield
+        finally:
+            connection.execute("SELECT pg_advisory_unlock(%s)", (key,))
+
+
+def check_sqlite(name: str) -> None:
+    """Refuse a file that is not a SQLite database (or cannot be opened) before the
+    recorders create their tables in it; a missing file is created as usual."""
+    if name.startswith("file:") or name == ":memory:":
+        return
+    try:
+        connection = sqlite3.connect(name)
+    except sqlite3.Error as error:
+        raise StoreUnavailableError("cannot-open", name, str(error)) from None
+    try:
+        connection.execute("PRAGMA schema_version").fetchone()
+    except sqlite3.DatabaseError as error:
+        reason = "not-a-database" if "not a database" in str(error) else "cannot-open"
+        raise StoreUnavailableError(reason, name, str(error)) from None
+    finally:
+        connection.close()
