@@ -275,7 +275,7 @@ def test_a_killed_projection_process_resumes_exactly_once(
             register(writer, f"r{index}", at=clock(), allocatable=capacity(instances=50))
         for index in range(300):
             writer.record_heartbeat(
-                runner_id=f"r{index % 8}", at=clock() + timedelta(seconds=11 * (index + 1)),
+                runner_id=f"r{index % 8}", at=clock.advance(seconds=11),
                 artifact_digests=[RUNTIME, str(index)], materializations=[materialization()],
             )  # fmt: skip
         head = writer.head_position()

@@ -309,18 +309,18 @@ def test_three_reconciler_processes_never_overlap_and_process_everything(
     postgres_schema: Any,
 ) -> None:
     url = postgres_schema.url()
-    app = SchedulerApplication(env={"SECONDBOX_DATABASE_URL": url})
+    frozen = Clock(datetime.now(UTC))  # the setup happens at one instant, however long it takes
+    app = SchedulerApplication(env={"SECONDBOX_DATABASE_URL": url}, now=frozen)
     try:
         now = app.now()
         roomy = capacity(
             instances=200, vcpu_count=1000, memory_bytes=2**50, disk_bytes=2**50, operations=1000
         )
         for index in range(5):
-            register(app, f"r{index}", at=now + timedelta(hours=1), allocatable=roomy)
+            register(app, f"r{index}", at=now, allocatable=roomy)
         sandboxes = [f"s{i:03d}" for i in range(500)]
         for sandbox_id in sandboxes:
             create_sandbox(app, sandbox_id)
-            now = app.now()
             app.schedule(
                 schedule_request(
                     sandbox_id, now, operation_deadline=now, heartbeat_timeout=timedelta(hours=2)

@@ -119,13 +119,14 @@ def test_heartbeat_renewals_are_coalesced_within_the_renewal_interval(
         "materializations": [materialization()],
     }
     before = app.event_count()
-    outcomes = [
-        app.record_heartbeat(runner_id="r1", at=clock() + timedelta(seconds=s), **evidence)
-        for s in (1, 2, 3, 9)
-    ]
+    start = clock()
+    outcomes = []
+    for s in (1, 2, 3, 9):
+        clock.current = start + timedelta(seconds=s)
+        outcomes.append(app.record_heartbeat(runner_id="r1", at=clock(), **evidence))
     assert outcomes == [OBSERVED_COALESCED] * 4
     assert app.event_count() == before
-    renewed_at = clock() + timedelta(seconds=10)
+    renewed_at = clock.current = start + timedelta(seconds=10)
     assert app.record_heartbeat(runner_id="r1", at=renewed_at, **evidence) == OBSERVED_RENEWED
     assert app.event_count() == before + 1
     assert app.get_runner("r1").last_heartbeat_at == renewed_at

@@ -60,7 +60,7 @@ RUNNER = st.fixed_dictionaries(
             [0.0] * 4 + [10.0] * 4 + [29.999999, 30.0, 30.000001, 90.0, None]
         ),
         "digests": st.lists(
-            st.sampled_from([RUNTIME, TOOLCHAIN, OTHER, "sha256:runtime2", TRICKY])
+            st.sampled_from([RUNTIME, TOOLCHAIN, OTHER, "sha256:runtime2", TRICKY]), max_size=12
         ),
         "materialized": st.sampled_from([True] * 9 + [False]),
         "draining": st.sampled_from([False] * 9 + [True]),
