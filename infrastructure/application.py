@@ -19,7 +19,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, ClassVar, TypeVar
 from uuid import UUID
 
-from eventsourcing.application import AggregateNotFoundError, Application
+from eventsourcing.application import AggregateNotFoundError, Application, ProcessingEvent
+from eventsourcing.domain import Snapshot
 from eventsourcing.persistence import IntegrityError
 from eventsourcing.utils import EnvType, strtobool
 
@@ -29,13 +30,12 @@ from secondbox_scheduler.domain.errors import (
     HomeRunnerUnavailableError,
     InvalidRequestError,
     PlacementError,
-    ProfileRevisionMismatchError,
     RunnerNotFoundError,
     SandboxNotFoundError,
+    SchedulerError,
     SerializationContentionError,
 )
 from secondbox_scheduler.domain.evidence import Unlisted
-from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
 from secondbox_scheduler.domain.ids import lease_uuid, refusal_log_uuid, runner_uuid, sandbox_uuid
 from secondbox_scheduler.domain.lease import RunnerLease
 from secondbox_scheduler.domain.limits import (
@@ -46,9 +46,9 @@ from secondbox_scheduler.domain.limits import (
     MAX_PROOF_VALUE_LENGTH,
 )
 from secondbox_scheduler.domain.reconcile import ReconcileDecision
-from secondbox_scheduler.domain.refusals import OPERATION_CREATE, OPERATION_SCHEDULE, RefusalLog
+from secondbox_scheduler.domain.refusals import OPERATION_CREATE, RefusalLog
 from secondbox_scheduler.domain.runner import Runner
-from secondbox_scheduler.domain.sandbox import TOKEN_REUSED, Sandbox, assignment_history
+from secondbox_scheduler.domain.sandbox import Sandbox, assignment_history
 from secondbox_scheduler.domain.values import (
     Capacity,
     DurableAssignment,
@@ -60,8 +60,13 @@ from secondbox_scheduler.domain.values import (
     require_string_map,
     require_text,
 )
+from secondbox_scheduler.infrastructure.batcher import DEFAULT_BATCH_SIZE, PlacementBatcher
 from secondbox_scheduler.infrastructure.fast_forward import fast_forward_pair, load_uncached
+from secondbox_scheduler.infrastructure.placement_batch import PlacementBatch
 from secondbox_scheduler.infrastructure.settings import (
+    BATCH_SIZE,
+    BATCH_WAIT_MS,
+    BATCHING,
     CLOCK_TOLERANCE_SECONDS,
     DATABASE_URL,
     LEASE_RENEWAL_SECONDS,
@@ -69,6 +74,7 @@ from secondbox_scheduler.infrastructure.settings import (
     POSTGRES_SETTINGS,
     READ_MODELS,
     SQLITE_MODULE,
+    batch_setting,
     clock_tolerance,
     settings_from_url,
 )
@@ -79,7 +85,7 @@ from secondbox_scheduler.infrastructure.store_startup import (
     postgres_schema_lock,
 )
 from secondbox_scheduler.projections.candidates import home_candidates
-from secondbox_scheduler.projections.event_log import count_events
+from secondbox_scheduler.projections.event_log import count_events, last_versions
 from secondbox_scheduler.projections.read_models import ReadModels, supports_read_models
 from secondbox_scheduler.projections.runner_index import RunnerIndex
 
@@ -124,6 +130,7 @@ class SchedulerMetrics:
     contention_retries: int = 0
     contention_errors: int = 0
     heartbeats: dict[str, int] = field(default_factory=dict)
+    batch_sizes: dict[int, int] = field(default_factory=dict)  # placement batches by size
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, name: str, amount: int = 1) -> None:
@@ -133,6 +140,10 @@ class SchedulerMetrics:
     def heartbeat(self, outcome: str) -> None:
         with self._lock:
             self.heartbeats[outcome] = self.heartbeats.get(outcome, 0) + 1
+
+    def batch(self, size: int) -> None:
+        with self._lock:
+            self.batch_sizes[size] = self.batch_sizes.get(size, 0) + 1
 
 
 class SchedulerApplication(Application[UUID]):
@@ -175,6 +186,15 @@ class SchedulerApplication(Application[UUID]):
             if supports_read_models(self) and self.env.get(READ_MODELS, "on") != "off":
                 self.read_models = ReadModels(self)
             self.catch_up_inline = self.env.get(READ_MODELS, "on") != "external"
+            self.batcher: PlacementBatcher | None = None
+            if strtobool(self.env.get(BATCHING) or "on"):
+                self.batcher = PlacementBatcher(
+                    self._place,
+                    size=int(
+                        batch_setting(self.env.get(BATCH_SIZE), DEFAULT_BATCH_SIZE, BATCH_SIZE)
+                    ),
+                    wait=batch_setting(self.env.get(BATCH_WAIT_MS), 0, BATCH_WAIT_MS) / 1000,
+                )
 
     @contextmanager
     def _opening(self, planned: Any) -> Iterator[None]:
@@ -543,61 +563,83 @@ class SchedulerApplication(Application[UUID]):
         """Serialize one sandbox generation and reserve capacity on its home runner.
 
         Returns the assignment and whether this call created it (False: replay).
+        Concurrent calls of one process are decided in arrival order and committed
+        together (:mod:`.batcher`, :mod:`.placement_batch`), unless batching is off.
         """
+        self._check_request(request)
+        if self.batcher is not None:
+            return self.batcher.schedule(request)
+        outcome = self._place([request])[0]
+        if isinstance(outcome, SchedulerError):
+            raise outcome
+        return outcome
+
+    def schedule_many(
+        self, requests: Sequence[ScheduleRequest]
+    ) -> list[tuple[DurableAssignment, bool] | SchedulerError]:
+        """``schedule`` for a batch the caller already holds: each request's answer, in
+        order, as a serial execution in this order would give it (an assignment and
+        whether it was created, or the typed error; an invalid request's error does not
+        stop the others). Committed in transactions of at most the batch size."""
+        checked: list[tuple[DurableAssignment, bool] | SchedulerError | None] = []
+        valid: list[tuple[int, ScheduleRequest]] = []
+        for index, request in enumerate(requests):
+            try:
+                self._check_request(request)
+            except InvalidRequestError as error:
+                checked.append(error)
+                continue
+            checked.append(None)
+            valid.append((index, request))
+        size = self.batcher.size if self.batcher is not None else DEFAULT_BATCH_SIZE
+        for start in range(0, len(valid), size):
+            chunk = valid[start : start + size]
+            for (index, _), outcome in zip(chunk, self._place([r for _, r in chunk]), strict=True):
+                checked[index] = outcome
+        return [outcome for outcome in checked if outcome is not None]
+
+    def _place(
+        self, requests: Sequence[ScheduleRequest]
+    ) -> list[tuple[DurableAssignment, bool] | SchedulerError]:
+        return PlacementBatch(self).run(requests)
+
+    def _check_request(self, request: object) -> None:
         if not isinstance(request, ScheduleRequest):
             raise InvalidRequestError("request", "must be a ScheduleRequest", request)
         request.ensure_valid()
         self._check_request_times(request)
 
-        def attempt(number: int) -> tuple[DurableAssignment, bool]:
-            sandbox = self._load_one_query(sandbox_uuid(request.sandbox_id), Sandbox)
-            if sandbox is None:
-                raise ProfileRevisionMismatchError(f"sandbox {request.sandbox_id!r} does not exist")
-            sandbox.check_pinned(request)
-            existing = sandbox.assignment()
-            if existing is not None:
-                self.metrics.add("replays")
-                return to_durable_assignment(existing), False
-            runner, lease = self._runner_and_lease(sandbox.home_runner_id)
-            if runner.holds(request.sandbox_id, sandbox.generation):
-                raise StaleRead  # the runner saw a rival's fence that this sandbox read missed
-            try:
-                record, token_use = sandbox.fence(
-                    request,
-                    runner.snapshot(lease),
-                    runner_version=runner.version,
-                    lease_version=lease.version,
-                    attempt=number,
-                    clock=self.now(),
-                )
-            except PlacementError as error:
-                assert request.now is not None
-                self._record_refusal(
-                    request.sandbox_id, OPERATION_SCHEDULE, sandbox.generation, error,
-                    request.now, request.heartbeat_timeout,
-                )  # fmt: skip
-                raise
-            assert request.now is not None
-            runner.reserve(
-                assignment_id=request.assignment_id,
-                sandbox_id=request.sandbox_id,
-                generation=sandbox.generation,
-                capacity=request.requirements.capacity,
-                at=request.now,
-            )
-            try:
-                self.save(sandbox, runner, token_use)
-            except IntegrityError:
-                self._refuse_reused_token(token_use, sandbox.generation)
-                raise
-            self.metrics.add("placements")
-            return to_durable_assignment(record), True
+    def save_in_order(self, events: Sequence[Any], aggregates: Sequence[Any] = ()) -> None:
+        """Save ``events`` in one transaction in exactly this order (a batch keeps each
+        placement's events together, as a single placement writes them); snapshots of
+        ``aggregates`` as a save of them would take."""
+        processing_event: ProcessingEvent[UUID] = ProcessingEvent()
+        processing_event.events = list(events)
+        processing_event.aggregates = {aggregate.id: aggregate for aggregate in aggregates}
+        recordings = self._record(processing_event)
+        self._take_snapshots(processing_event)
+        self._notify(recordings)
 
-        return self._retrying(
-            attempt,
-            retries=request.serialization_retry_limit,
-            subject=f"sandbox {request.sandbox_id!r}",
-        )
+    def _take_snapshots(self, processing_event: ProcessingEvent[UUID]) -> None:
+        """Snapshot each saved aggregate whose new events passed a multiple of its
+        interval, from the aggregate in memory (the library reads it back from the store
+        for every such event; a batch passes several on a busy runner)."""
+        if self.snapshots is None:
+            return
+        versions: dict[UUID, list[int]] = {}
+        for event in processing_event.events:
+            versions.setdefault(event.originator_id, []).append(event.originator_version)
+        for aggregate_id, aggregate in processing_event.aggregates.items():
+            interval = self.snapshotting_intervals.get(type(aggregate))
+            written = versions.get(aggregate_id, ())
+            if interval and any(version % interval == 0 for version in written):
+                assert aggregate.version == max(written)
+                snapshot_class = getattr(type(aggregate), "Snapshot", Snapshot)
+                self.snapshots.put([snapshot_class.take(aggregate)])
+
+    def stream_versions(self, stream_ids: Sequence[UUID]) -> dict[UUID, int]:
+        """The last stored version of each stream (absent: no such stream)."""
+        return last_versions(self.recorder, stream_ids)
 
     def _check_request_times(self, request: ScheduleRequest) -> None:
         """SPEC section 6a and the limits: the request's times against the clock."""
@@ -615,13 +657,6 @@ class SchedulerApplication(Application[UUID]):
                     name, f"must be at most {_seconds(MAX_DEADLINE_AHEAD)} after now", value
                 )
         _require_timeout(request.heartbeat_timeout)
-
-    def _refuse_reused_token(self, token_use: FencingTokenUse, generation: int) -> None:
-        """After a failed save: if the token's stream exists for another generation, the
-        token was used before (invariant 3), which is no race to retry."""
-        earlier = self._load(token_use.id, FencingTokenUse, copy=False)
-        if earlier is not None and earlier.generation != generation:
-            raise InvalidRequestError("fencing_token", TOKEN_REUSED) from None
 
     def mark_running(self, sandbox_id: str, generation: int, fencing_token: bytes) -> None:
         _require_fence(sandbox_id, generation, fencing_token)

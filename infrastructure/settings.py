@@ -24,6 +24,10 @@ LEASE_RENEWAL_SECONDS = "SECONDBOX_LEASE_RENEWAL_SECONDS"
 READ_MODELS = "SECONDBOX_READ_MODELS"
 # How far a caller's time may differ from the scheduler's clock (SPEC section 6a).
 CLOCK_TOLERANCE_SECONDS = "SECONDBOX_CLOCK_TOLERANCE_SECONDS"
+# Placement batching (infrastructure/batcher.py): on/off, largest batch, longest wait.
+BATCHING = "SECONDBOX_BATCHING"
+BATCH_SIZE = "SECONDBOX_BATCH_SIZE"
+BATCH_WAIT_MS = "SECONDBOX_BATCH_WAIT_MS"
 DEFAULT_SQLITE_URL = "sqlite:///secondbox.db"
 
 SQLITE_MODULE = "eventsourcing.sqlite"
@@ -53,6 +57,20 @@ def clock_tolerance(value: str | None) -> timedelta:
             CLOCK_TOLERANCE_SECONDS, f"must be a number of seconds from 0 to {limit:g}", value
         )
     return timedelta(seconds=seconds)
+
+
+def batch_setting(value: str | None, default: float, name: str) -> float:
+    """A batching setting: a non-negative number (the size at least 1, at most 1,024)."""
+    if not value:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    low, high = (1, 1024) if name == BATCH_SIZE else (0, 1000)
+    if not low <= number <= high:
+        raise InvalidRequestError(name, f"must be a number from {low} to {high}", value)
+    return int(number) if name == BATCH_SIZE else number
 
 
 def redact_url(database_url: str) -> str:

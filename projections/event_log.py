@@ -7,6 +7,9 @@ position can run ahead of the number of stored events.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from uuid import UUID
+
 from eventsourcing.persistence import ApplicationRecorder
 from eventsourcing.popo import POPOApplicationRecorder
 from eventsourcing.postgres import PostgresApplicationRecorder
@@ -53,3 +56,32 @@ def count_events_after(recorder: ApplicationRecorder, position: int) -> int:
             )
             return int(cursor.fetchone()[0])
     return max(0, count_events(recorder) - position)
+
+
+def last_versions(recorder: ApplicationRecorder, stream_ids: Sequence[UUID]) -> dict[UUID, int]:
+    """The last stored version of each of the streams (a stream not stored is absent)."""
+    if not stream_ids:
+        return {}
+    if isinstance(recorder, PostgresApplicationRecorder):
+        statement = SQL(
+            "SELECT originator_id, MAX(originator_version) AS v FROM {}.{} "
+            "WHERE originator_id = ANY(%s) GROUP BY originator_id"
+        ).format(Identifier(recorder.datastore.schema), Identifier(recorder.events_table_name))
+        with recorder.datastore.transaction(commit=False) as cursor:
+            cursor.execute(statement, (list(stream_ids),))
+            return {row["originator_id"]: int(row["v"]) for row in cursor.fetchall()}
+    if isinstance(recorder, SQLiteApplicationRecorder):
+        marks = ",".join("?" for _ in stream_ids)
+        with recorder.datastore.transaction(commit=False) as cursor:
+            cursor.execute(
+                f"SELECT originator_id, MAX(originator_version) FROM {recorder.events_table_name} "
+                f"WHERE originator_id IN ({marks}) GROUP BY originator_id",
+                [stream.hex for stream in stream_ids],
+            )
+            return {UUID(row[0]): int(row[1]) for row in cursor.fetchall()}
+    found = {}
+    for stream in stream_ids:
+        events = recorder.select_events(stream, desc=True, limit=1)
+        if events:
+            found[stream] = events[0].originator_version
+    return found

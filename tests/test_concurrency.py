@@ -23,7 +23,7 @@ from tests.factories import capacity, create_sandbox, register, requirements, sc
 
 
 class Interfering:
-    """Makes the next ``times`` saves of ``app`` lose a race against ``rival``.
+    """Makes the next ``times`` placement saves of ``app`` lose a race against ``rival``.
 
     Just before each save, the rival replica changes the same runner, so the save's
     expected stream version is taken and the recorder raises IntegrityError.
@@ -31,7 +31,7 @@ class Interfering:
 
     def __init__(self, app: SchedulerApplication, rival: SchedulerApplication, times: int) -> None:
         self.app, self.rival, self.left = app, rival, times
-        self.real_save = app.save
+        self.real_save = app.save_in_order
         self.allocatable = [capacity(instances=i) for i in range(10, 10 + times)]
 
     def __call__(self, *objs: Any, **kwargs: Any) -> Any:
@@ -46,7 +46,7 @@ def test_a_lost_race_is_retried_with_full_jitter(store: Store, clock: Clock) -> 
     app, rival = store.open(sleep=delays.append), store.open()
     register(app, "r1", at=clock())
     create_sandbox(app, "s1")
-    app.save = Interfering(app, rival, times=3)  # type: ignore[method-assign]
+    app.save_in_order = Interfering(app, rival, times=3)  # type: ignore[method-assign]
     assignment, created = app.schedule(schedule_request("s1", clock(), serialization_retry_limit=3))
     assert created
     assert app.metrics.contention_retries == 3
@@ -86,7 +86,7 @@ def test_a_schedule_that_keeps_losing_races_ends_in_contention_not_overflow(
     def always_lose(*_: Any, **__: Any) -> None:
         raise IntegrityError("a rival committed first")
 
-    app.save = always_lose  # type: ignore[method-assign, assignment]
+    app.save_in_order = always_lose  # type: ignore[method-assign]
     with pytest.raises(SerializationContentionError):
         app.schedule(schedule_request("s1", clock(), serialization_retry_limit=1100))
     assert len(delays) == 1100  # retries 0..1099: past 2 ** 1024, which overflows a float
@@ -97,7 +97,7 @@ def test_contention_past_the_limit_raises_and_writes_nothing(store: Store, clock
     app, rival = store.open(sleep=lambda _: None), store.open()
     register(app, "r1", at=clock())
     create_sandbox(app, "s1")
-    app.save = Interfering(app, rival, times=3)  # type: ignore[method-assign]
+    app.save_in_order = Interfering(app, rival, times=3)  # type: ignore[method-assign]
     before = rival.event_count()
     with pytest.raises(SerializationContentionError, match="retryable") as raised:
         app.schedule(schedule_request("s1", clock(), serialization_retry_limit=2))

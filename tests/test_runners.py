@@ -165,15 +165,14 @@ def test_a_heartbeat_never_conflicts_with_a_placement(store: Store, clock: Clock
     register(app, "r1", at=clock())
     create_sandbox(app, "s1")
     request = schedule_request("s1", clock(), serialization_retry_limit=0)
-    real_save = app.save
+    real_save = app.save_in_order
 
     def save_after_a_heartbeat(*objs: object, **kwargs: object) -> object:
-        other.record_heartbeat(
-            runner_id="r1", at=clock() + timedelta(seconds=1), artifact_digests=["new"]
-        )
+        clock.advance(seconds=1)
+        other.record_heartbeat(runner_id="r1", at=clock(), artifact_digests=["new"])
         return real_save(*objs, **kwargs)  # type: ignore[arg-type]
 
-    app.save = save_after_a_heartbeat  # type: ignore[method-assign,assignment]
+    app.save_in_order = save_after_a_heartbeat  # type: ignore[method-assign,assignment]
     _assignment, created = app.schedule(request)
     assert created
     assert app.metrics.contention_retries == 0

@@ -11,6 +11,12 @@ GOAL_SELECTION = 3.0
 GOAL_FLAT_SNAPSHOT = 1.1  # a snapshot may grow by the digits of larger numbers only
 GOAL_HISTORY = 2.0
 GOAL_REPLAY = 0.5
+GOAL_BATCHED = 1.5  # batched placements/s over raw one-aggregate transactions/s
+STRETCH_BATCHED = 2.0
+LINE_VERSUS_ROW_LOCK = 0.5  # batched placements/s over the row-lock peer's placements/s
+MOONSHOT_VERSUS_ROW_LOCK = 1.0
+GOAL_BATCHED_CONTENTION = 0.5  # contended batched goodput over uncontended batched
+GOAL_BATCHED_P99_MS = 50.0
 
 
 def _goal(target: str, value: float | None, met: bool | None, detail: str) -> dict[str, Any]:
@@ -58,6 +64,62 @@ def evaluate_goals(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
         )
     else:
         goals["contention_goodput"] = _skipped(target)
+
+    batched = report.get("batched")
+    target = (
+        f">= {GOAL_BATCHED} x raw one-aggregate transactions/s (stretch {STRETCH_BATCHED}), "
+        f"p99 <= {GOAL_BATCHED_P99_MS:g} ms, no contention error"
+    )
+    if raw and batched:
+        baseline = raw["one_aggregate"]["transactions_per_second"]
+        ratio = batched["per_second"] / baseline if baseline else 0.0
+        goals["batched_placement"] = _goal(
+            target,
+            round(ratio, 3),
+            ratio >= GOAL_BATCHED
+            and batched["p99_ms"] <= GOAL_BATCHED_P99_MS
+            and batched["contention_errors"] == 0,
+            f"{batched['per_second']:,.0f} placements/s vs {baseline:,.0f} one-aggregate "
+            f"transactions/s; p99 {batched['p99_ms']:.1f} ms; mean batch "
+            f"{batched.get('batch_size_mean', 1)}; stretch {STRETCH_BATCHED}: "
+            f"{'met' if ratio >= STRETCH_BATCHED else 'not met'}",
+        )
+    else:
+        goals["batched_placement"] = _skipped(target)
+
+    row_lock = report.get("row_lock")
+    target = (
+        f"batched placements/s over the row-lock peer's: line {LINE_VERSUS_ROW_LOCK}, "
+        f"moonshot {MOONSHOT_VERSUS_ROW_LOCK}"
+    )
+    if batched and row_lock and row_lock.get("per_second"):
+        ratio = batched["per_second"] / row_lock["per_second"]
+        goals["versus_row_lock"] = _goal(
+            target,
+            round(ratio, 3),
+            ratio >= LINE_VERSUS_ROW_LOCK,
+            f"{batched['per_second']:,.0f} vs {row_lock['per_second']:,.0f} row-lock "
+            f"placements/s; moonshot: {'met' if ratio >= MOONSHOT_VERSUS_ROW_LOCK else 'not met'}",
+        )
+    else:
+        goals["versus_row_lock"] = _skipped(target)
+
+    contended = report.get("contention_batched")
+    target = f">= {GOAL_BATCHED_CONTENTION} x uncontended batched, no oversubscription"
+    if contended and batched and batched["per_second"]:
+        ratio = contended["goodput_per_second"] / batched["per_second"]
+        state = contended["hot_runner_state"]
+        clean = state["oversubscribed_runners"] == 0 and state["reservations_match_placements"]
+        goals["batched_contention_goodput"] = _goal(
+            target,
+            round(ratio, 3),
+            ratio >= GOAL_BATCHED_CONTENTION and clean and contended["contention_errors"] == 0,
+            f"{contended['goodput_per_second']:,.0f} vs {batched['per_second']:,.0f} "
+            f"placements/s; {state['oversubscribed_runners']} hot runners oversubscribed; "
+            f"{contended['contention_errors']} contention errors",
+        )
+    else:
+        goals["batched_contention_goodput"] = _skipped(target)
 
     selection = report.get("selection")
     target = f"create_sandbox at 10x the runners <= {GOAL_SELECTION} x the cost"

@@ -31,8 +31,13 @@ def throughput_table(report: dict[str, Any]) -> Table | None:
         for key, label in (
             ("one_aggregate", "raw: 1 new aggregate/transaction"),
             ("two_aggregates", "raw: 2 new aggregates/transaction"),
+            ("batched_aggregates", "raw: N new aggregates/transaction"),
         ):
-            row = raw[key]
+            row = raw.get(key)
+            if row is None:
+                continue
+            if key == "batched_aggregates":
+                label = f"raw: {row['aggregates_per_transaction']} new aggregates/transaction"
             table.add_row(
                 label,
                 f"{row['transactions_per_second']:,.0f}",
@@ -70,6 +75,49 @@ def throughput_table(report: dict[str, Any]) -> Table | None:
             _ratio(contention["goodput_per_second"] / uncontended if uncontended else None)
             + " of placement",
             _cpu(contention),
+        )
+    batched, row_lock = report.get("batched"), report.get("row_lock")
+    one = raw["one_aggregate"]["transactions_per_second"] if raw else None
+    if batched:
+        table.add_row(
+            f"batched: {batched['callers_per_worker']} callers/worker over "
+            f"{batched['runners']:,} runners (mean batch {batched.get('batch_size_mean', 1)})",
+            f"{batched['per_second']:,.0f}",
+            _ms(batched["p50_ms"]),
+            _ms(batched["p95_ms"]),
+            _ms(batched["p99_ms"]),
+            f"{batched['retries_per_call']:.3f}",
+            str(batched["contention_errors"]),
+            _ratio(batched["per_second"] / one if one else None) + " of raw 1",
+            _cpu(batched),
+        )
+    contended = report.get("contention_batched")
+    if contended:
+        uncontended = batched["per_second"] if batched else None
+        table.add_row(
+            f"batched contention: goodput on {contended['hot_runners']} hot runners",
+            f"{contended['goodput_per_second']:,.0f}",
+            _ms(contended["p50_ms"]),
+            _ms(contended["p95_ms"]),
+            _ms(contended["p99_ms"]),
+            f"{contended['retries_per_call']:.3f}",
+            str(contended["contention_errors"]),
+            _ratio(contended["goodput_per_second"] / uncontended if uncontended else None)
+            + " of batched",
+            _cpu(contended),
+        )
+    if row_lock and "per_second" in row_lock:
+        table.add_row(
+            f"row-lock peer: SERIALIZABLE, row locked, over {row_lock['runners']:,} runners",
+            f"{row_lock['per_second']:,.0f}",
+            _ms(row_lock["p50_ms"]),
+            _ms(row_lock["p95_ms"]),
+            _ms(row_lock["p99_ms"]),
+            f"{row_lock['retries_per_call']:.3f}",
+            str(row_lock["outcomes"].get("contention_error", 0)),
+            _ratio(batched["per_second"] / row_lock["per_second"] if batched else None)
+            + " batched/peer",
+            _cpu(row_lock),
         )
     table.caption = _throughput_caption(report)
     table.caption_justify = "left"

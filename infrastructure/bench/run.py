@@ -23,6 +23,7 @@ from secondbox_scheduler.infrastructure.bench.throughput import (
     measure_contention,
     measure_placement,
     measure_raw,
+    measure_row_lock,
 )
 from secondbox_scheduler.infrastructure.bench.workers import RawBaseline, WorkerPool, raw_env
 from secondbox_scheduler.infrastructure.settings import DATABASE_URL
@@ -54,7 +55,7 @@ def run_bench(
         app = SchedulerApplication(env=env)  # creates the tables before any worker starts
         RawBaseline(env=raw_env(env)).close()
         try:
-            needs_workers = bool(wanted & {"raw", "placement", "contention"})
+            needs_workers = bool(wanted & {"raw", "placement", "contention", "batched", "row_lock"})
             with WorkerPool(settings.workers if needs_workers else 1) as pool:
                 rate = DEFAULT_RATE
                 if "raw" in wanted:
@@ -69,6 +70,17 @@ def run_bench(
                     )
                 if "contention" in wanted:
                     report["contention"] = measure_contention(pool, app, env, settings, progress)
+                if "batched" in wanted:
+                    report["batched"] = measure_placement(
+                        pool, app, env, settings, 3 * rate, progress,
+                        threads=settings.callers, pool_name="batched",
+                    )  # fmt: skip
+                    report["contention_batched"] = measure_contention(
+                        pool, app, env, settings, progress,
+                        threads=settings.callers, pool_name="hotbatch",
+                    )  # fmt: skip
+                if "row_lock" in wanted:
+                    report["row_lock"] = measure_row_lock(pool, env, settings, progress)
             if "selection" in wanted:
                 report["selection"] = measure_selection(app, settings, progress)
             if "replay" in wanted:

@@ -7,7 +7,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-SECTIONS = ("raw", "placement", "contention", "selection", "history", "replay")
+SECTIONS = (
+    "raw",
+    "placement",
+    "contention",
+    "batched",
+    "row_lock",
+    "selection",
+    "history",
+    "replay",
+)
 
 Progress = Callable[[str], None]
 
@@ -23,6 +32,8 @@ class BenchSettings:
     raw_seconds: float = 10.0
     placement_seconds: float = 15.0
     contention_sandboxes: int = 3000  # a fixed amount of work, comparable across runs
+    raw_batch: int = 32  # new aggregates per transaction of the batched raw baseline
+    callers: int = 16  # concurrent schedule callers per worker of the batched runs
     selection_sizes: tuple[int, ...] = (100, 1_000, 10_000)
     select_calls: tuple[int, ...] = (50, 20, 5)
     create_calls: tuple[int, ...] = (20, 10, 5)
@@ -51,6 +62,7 @@ class BenchSettings:
                 raw_seconds=1.5,
                 placement_seconds=2.0,
                 contention_sandboxes=400,
+                callers=8,
                 selection_sizes=(30, 300, 3_000),
                 select_calls=(20, 10, 5),
                 create_calls=(5, 5, 3),

@@ -8,6 +8,8 @@ import math
 import random
 from typing import Any
 
+from psycopg.conninfo import make_conninfo
+
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.bench.fleet import (
     bench_requirements,
@@ -15,13 +17,21 @@ from secondbox_scheduler.infrastructure.bench.fleet import (
     register_fleet,
     roomy_fleet,
 )
+from secondbox_scheduler.infrastructure.bench.row_lock_peer import create_tables
 from secondbox_scheduler.infrastructure.bench.settings import BenchSettings, Progress
 from secondbox_scheduler.infrastructure.bench.timing import now
 from secondbox_scheduler.infrastructure.bench.workers import (
+    Job,
     RawJob,
+    RowLockJob,
     ScheduleJob,
     WorkerPool,
     summarize,
+)
+from secondbox_scheduler.infrastructure.settings import (
+    DATABASE_URL,
+    POSTGRES_MODULE,
+    settings_from_url,
 )
 
 HOT_RUNNERS = 4
@@ -30,9 +40,15 @@ SERIALIZATION_RETRY_LIMIT = 8
 
 
 def measure_raw(pool: WorkerPool, env: dict[str, str], settings: BenchSettings) -> dict[str, Any]:
+    """Saves of new one-event aggregates: 1, 2 and N per transaction (N: the ceiling a
+    batch of placements can approach)."""
     found: dict[str, Any] = {}
-    for key, per_transaction in (("one_aggregate", 1), ("two_aggregates", 2)):
-        jobs: list[RawJob | ScheduleJob] = [
+    for key, per_transaction in (
+        ("one_aggregate", 1),
+        ("two_aggregates", 2),
+        ("batched_aggregates", settings.raw_batch),
+    ):
+        jobs: list[Job] = [
             RawJob(env, per_transaction, settings.raw_seconds) for _ in range(pool.workers)
         ]
         summary = summarize(pool.run(jobs), count="saved")
@@ -46,6 +62,25 @@ def _spread(ids: list[str], workers: int) -> list[list[str]]:
     return [ids[index::workers] for index in range(workers)]
 
 
+def _homed_sandboxes(
+    app: SchedulerApplication, settings: BenchSettings, pool_name: str, count: int, at: Any
+) -> dict[str, str]:
+    """A roomy pool of ``settings.runners`` runners and ``count`` sandboxes homed on them
+    at random; sandbox id -> home runner id."""
+    rng = random.Random(settings.seed)
+    fleet = roomy_fleet(pool_name, settings.runners, instances=100_000)
+    snapshots = register_fleet(app, fleet, at)
+    runner_ids = [spec.runner_id for spec in fleet]
+    homes = {f"{pool_name}-{index:07d}": rng.choice(runner_ids) for index in range(count)}
+    create_homed_sandboxes(
+        app,
+        [(sandbox_id, snapshots[home]) for sandbox_id, home in homes.items()],
+        bench_requirements(pool_name),
+        at,
+    )
+    return homes
+
+
 def measure_placement(
     pool: WorkerPool,
     app: SchedulerApplication,
@@ -53,24 +88,20 @@ def measure_placement(
     settings: BenchSettings,
     expected_rate: float,
     progress: Progress,
+    *,
+    threads: int = 1,
+    pool_name: str = "place",
 ) -> dict[str, Any]:
-    rng = random.Random(settings.seed)
-    pool_name = "place"
-    at = now()
+    """Placements over a roomy pool: ``threads`` concurrent callers per worker (1: one
+    call at a time, so every batch holds one request; more: the batcher groups them)."""
     count = math.ceil(expected_rate * settings.placement_seconds * 1.5) + 50 * settings.workers
-    progress(f"placement: registering {settings.runners:,} runners, creating {count:,} sandboxes")
-    fleet = roomy_fleet(pool_name, settings.runners, instances=100_000)
-    snapshots = register_fleet(app, fleet, at)
-    runner_ids = [spec.runner_id for spec in fleet]
-    homes = {f"place-{index:07d}": rng.choice(runner_ids) for index in range(count)}
-    create_homed_sandboxes(
-        app,
-        [(sandbox_id, snapshots[home]) for sandbox_id, home in homes.items()],
-        bench_requirements(pool_name),
-        at,
+    progress(f"{pool_name}: registering {settings.runners:,} runners, creating {count:,} sandboxes")
+    homes = _homed_sandboxes(app, settings, pool_name, count, now())
+    progress(
+        f"{pool_name}: {settings.workers} workers x {threads} callers "
+        f"for {settings.placement_seconds:g}s"
     )
-    progress(f"placement: {settings.workers} workers for {settings.placement_seconds:g}s")
-    jobs: list[RawJob | ScheduleJob] = [
+    jobs: list[Job] = [
         ScheduleJob(
             env=env,
             pool_name=pool_name,
@@ -79,12 +110,45 @@ def measure_placement(
             seconds=settings.placement_seconds,
             seed=settings.seed,
             serialization_retry_limit=SERIALIZATION_RETRY_LIMIT,
+            threads=threads,
         )
         for ids in _spread(list(homes), settings.workers)
     ]
     summary = summarize(pool.run(jobs))
     summary["runners"] = settings.runners
+    summary["callers_per_worker"] = threads
     summary["sandboxes_prepared"] = count
+    return summary
+
+
+def measure_row_lock(
+    pool: WorkerPool, env: dict[str, str], settings: BenchSettings, progress: Progress
+) -> dict[str, Any]:
+    """The row-lock peer (:mod:`.row_lock_peer`): same server, workers, runners and
+    request, one SERIALIZABLE transaction per placement."""
+    settings_of = settings_from_url(env[DATABASE_URL])
+    if settings_of["PERSISTENCE_MODULE"] != POSTGRES_MODULE:
+        return {"skipped": "the row-lock peer runs on PostgreSQL only"}
+    conninfo = make_conninfo(
+        host=settings_of["POSTGRES_HOST"], port=settings_of["POSTGRES_PORT"],
+        user=settings_of["POSTGRES_USER"], password=settings_of["POSTGRES_PASSWORD"] or None,
+        dbname=settings_of["POSTGRES_DBNAME"],
+    )  # fmt: skip
+    schema = settings_of.get("POSTGRES_SCHEMA") or "public"
+    rng = random.Random(settings.seed)
+    runner_ids = [f"rl-{index:05d}" for index in range(settings.runners)]
+    roomy = roomy_fleet("rl", 1, instances=100_000)[0].allocatable
+    create_tables(conninfo, schema, [(runner_id, roomy) for runner_id in runner_ids])
+    count = 200_000 if not settings.quick else 20_000
+    placements = [(f"rl-sbx-{index:07d}", rng.choice(runner_ids)) for index in range(count)]
+    progress(f"row-lock peer: {settings.workers} workers for {settings.placement_seconds:g}s")
+    jobs: list[Job] = [
+        RowLockJob(conninfo, schema, tuple(placements[i :: settings.workers]),
+                   settings.placement_seconds)
+        for i in range(settings.workers)
+    ]  # fmt: skip
+    summary = summarize(pool.run(jobs))
+    summary["runners"] = settings.runners
     return summary
 
 
@@ -94,9 +158,11 @@ def measure_contention(
     env: dict[str, str],
     settings: BenchSettings,
     progress: Progress,
+    *,
+    threads: int = 1,
+    pool_name: str = "hot",
 ) -> dict[str, Any]:
     rng = random.Random(settings.seed + 1)
-    pool_name = "hot"
     at = now()
     count = settings.contention_sandboxes
     room = math.ceil(count * HOT_FILL / HOT_RUNNERS)
@@ -104,7 +170,7 @@ def measure_contention(
     fleet = roomy_fleet(pool_name, HOT_RUNNERS, instances=room)
     snapshots = register_fleet(app, fleet, at)
     runner_ids = [spec.runner_id for spec in fleet]
-    sandbox_ids = [f"hot-{index:07d}" for index in range(count)]
+    sandbox_ids = [f"{pool_name}-sbx-{index:07d}" for index in range(count)]
     homes = {
         sandbox_id: runner_ids[index % HOT_RUNNERS] for index, sandbox_id in enumerate(sandbox_ids)
     }
@@ -116,7 +182,7 @@ def measure_contention(
         at,
     )
     progress(f"contention: {settings.workers} workers scheduling every sandbox")
-    jobs: list[RawJob | ScheduleJob] = [
+    jobs: list[Job] = [
         ScheduleJob(
             env=env,
             pool_name=pool_name,
@@ -125,6 +191,7 @@ def measure_contention(
             seconds=None,
             seed=settings.seed,
             serialization_retry_limit=SERIALIZATION_RETRY_LIMIT,
+            threads=threads,
         )
         for ids in _spread(sandbox_ids, settings.workers)
     ]

@@ -20,9 +20,11 @@ import math
 import multiprocessing
 import os
 import queue
+import threading
 import time
 import traceback
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from multiprocessing.process import BaseProcess
@@ -41,7 +43,11 @@ from secondbox_scheduler.domain.errors import (
 )
 from secondbox_scheduler.domain.ids import lease_uuid, runner_uuid
 from secondbox_scheduler.infrastructure.bench.errors import BenchError
-from secondbox_scheduler.infrastructure.bench.fleet import bench_requirements, schedule_request
+from secondbox_scheduler.infrastructure.bench.fleet import (
+    REQUESTED,
+    bench_requirements,
+    schedule_request,
+)
 from secondbox_scheduler.infrastructure.bench.timing import percentile
 from secondbox_scheduler.infrastructure.settings import DATABASE_URL, settings_from_url
 
@@ -92,7 +98,8 @@ class RawJob:
 
 @dataclass(frozen=True)
 class ScheduleJob:
-    """Schedule each sandbox in turn (until ``seconds`` have passed, if given)."""
+    """Schedule each sandbox in turn (until ``seconds`` have passed, if given), from
+    ``threads`` concurrent callers of one application (its batcher groups them)."""
 
     env: dict[str, str]
     pool_name: str
@@ -101,9 +108,21 @@ class ScheduleJob:
     seconds: float | None
     seed: int
     serialization_retry_limit: int
+    threads: int = 1
 
 
-Job = RawJob | ScheduleJob
+@dataclass(frozen=True)
+class RowLockJob:
+    """The row-lock peer: place each sandbox with one SERIALIZABLE transaction that locks
+    its home runner's row (:mod:`.row_lock_peer`), until ``seconds`` have passed."""
+
+    conninfo: str
+    schema: str
+    placements: tuple[tuple[str, str], ...]  # (sandbox id, home runner id)
+    seconds: float
+
+
+Job = RawJob | ScheduleJob | RowLockJob
 
 
 @dataclass
@@ -118,6 +137,7 @@ class WorkerResult:
     contention_errors: int = 0
     prepare_seconds: float = 0.0
     machine_cpu: tuple[float, float] = (0.0, 0.0)  # busy and total CPU seconds, run window
+    batch_sizes: dict[int, int] = field(default_factory=dict)  # placement batches by size
 
 
 def machine_cpu_seconds() -> tuple[float, float]:
@@ -225,34 +245,52 @@ def _run_schedule(
         app.repository.get(lease_uuid(runner_id))
     retries_before = app.metrics.contention_retries
     errors_before = app.metrics.contention_errors
+    batches_before = dict(app.metrics.batch_sizes)
     prepare_seconds = time.perf_counter() - prepared
     outcomes: Counter[str] = Counter()
     latencies: list[float] = []
+    lock = threading.Lock()
+    remaining = deque(requests)
     barrier.wait(BARRIER_TIMEOUT)
     cpu_before = machine_cpu_seconds()
-    started = finished = time.perf_counter()
+    started = time.perf_counter()
     deadline = math.inf if job.seconds is None else started + job.seconds
-    for request in requests:
-        before = time.perf_counter()
-        try:
-            _, created = app.schedule(request)
-            outcome = "placed" if created else "replayed"
-        except SerializationContentionError:
-            outcome = "contention_error"
-        except HomeRunnerUnavailableError:
-            outcome = "refused"
-        except SchedulerError as error:
-            outcome = type(error).__name__
-        finished = time.perf_counter()
-        outcomes[outcome] += 1
-        if outcome == "placed":
-            latencies.append((finished - before) * 1000.0)
-        if finished >= deadline:
-            break
+    last = [started]
+
+    def caller() -> None:
+        while True:
+            with lock:
+                if not remaining or time.perf_counter() >= deadline:
+                    return
+                request = remaining.popleft()
+            before = time.perf_counter()
+            try:
+                _, created = app.schedule(request)
+                outcome = "placed" if created else "replayed"
+            except SerializationContentionError:
+                outcome = "contention_error"
+            except HomeRunnerUnavailableError:
+                outcome = "refused"
+            except SchedulerError as error:
+                outcome = type(error).__name__
+            finished = time.perf_counter()
+            with lock:
+                outcomes[outcome] += 1
+                if outcome == "placed":
+                    latencies.append((finished - before) * 1000.0)
+                last[0] = max(last[0], finished)
+
+    threads = [threading.Thread(target=caller) for _ in range(max(1, job.threads))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    batches = Counter(app.metrics.batch_sizes)
+    batches.subtract(batches_before)
     return WorkerResult(
         worker=index,
         started=started,
-        finished=finished,
+        finished=last[0],
         calls=sum(outcomes.values()),
         latencies_ms=latencies,
         outcomes=dict(outcomes),
@@ -260,7 +298,47 @@ def _run_schedule(
         contention_errors=app.metrics.contention_errors - errors_before,
         prepare_seconds=prepare_seconds,
         machine_cpu=_cpu_window(index, cpu_before),
+        batch_sizes={size: count for size, count in batches.items() if count},
     )
+
+
+def _run_row_lock(
+    index: int, job: RowLockJob, state: _WorkerState, barrier: Barrier
+) -> WorkerResult:
+    from secondbox_scheduler.infrastructure.bench.row_lock_peer import RowLockPeer
+
+    prepared = time.perf_counter()
+    peer = RowLockPeer(job.conninfo, job.schema, REQUESTED)
+    try:
+        prepare_seconds = time.perf_counter() - prepared
+        outcomes: Counter[str] = Counter()
+        latencies: list[float] = []
+        barrier.wait(BARRIER_TIMEOUT)
+        cpu_before = machine_cpu_seconds()
+        started = finished = time.perf_counter()
+        deadline = started + job.seconds
+        for sandbox_id, runner_id in job.placements:
+            before = time.perf_counter()
+            outcome = peer.place(sandbox_id, runner_id)
+            finished = time.perf_counter()
+            outcomes[outcome] += 1
+            if outcome == "placed":
+                latencies.append((finished - before) * 1000.0)
+            if finished >= deadline:
+                break
+        return WorkerResult(
+            worker=index,
+            started=started,
+            finished=finished,
+            calls=sum(outcomes.values()),
+            latencies_ms=latencies,
+            outcomes=dict(outcomes),
+            contention_retries=peer.retries,
+            prepare_seconds=prepare_seconds,
+            machine_cpu=_cpu_window(index, cpu_before),
+        )
+    finally:
+        peer.close()
 
 
 def worker_main(
@@ -276,6 +354,8 @@ def worker_main(
             try:
                 if isinstance(job, RawJob):
                     result: WorkerResult | str = _run_raw(index, job, state, barrier)
+                elif isinstance(job, RowLockJob):
+                    result = _run_row_lock(index, job, state, barrier)
                 else:
                     result = _run_schedule(index, job, state, barrier)
             except Exception as error:
@@ -311,7 +391,7 @@ class WorkerPool:
         for process in self._processes:
             process.start()
 
-    def run(self, jobs: list[Job], timeout: float = 3600.0) -> list[WorkerResult]:
+    def run(self, jobs: Sequence[Job], timeout: float = 3600.0) -> list[WorkerResult]:
         """Give job i to worker i; wait for every result (in worker order)."""
         if len(jobs) != self.workers:
             raise BenchError(f"{len(jobs)} jobs for {self.workers} workers")
@@ -369,6 +449,9 @@ def summarize(results: list[WorkerResult], *, count: str = "placed") -> dict[str
     calls = sum(r.calls for r in results)
     done = outcomes.get(count, 0)
     retries = sum(r.contention_retries for r in results)
+    batch_sizes: Counter[int] = Counter()
+    for r in results:
+        batch_sizes.update(r.batch_sizes)
     busy, total = results[0].machine_cpu
     ncpu = os.cpu_count() or 1
     busy_share = busy / total if total > 0 else None
@@ -393,4 +476,21 @@ def summarize(results: list[WorkerResult], *, count: str = "placed") -> dict[str
             if busy_share is not None and calls
             else None
         ),
+        **_batches(batch_sizes),
+    }
+
+
+def _batches(sizes: Counter[int]) -> dict[str, Any]:
+    """The distribution of placement batch sizes (empty when there were none)."""
+    if not sizes:
+        return {}
+    batches = sum(sizes.values())
+    requests = sum(size * count for size, count in sizes.items())
+    ordered = sorted(size for size, count in sizes.items() for _ in range(count))
+    return {
+        "batches": batches,
+        "batch_size_mean": round(requests / batches, 2),
+        "batch_size_p50": percentile([float(s) for s in ordered], 0.50),
+        "batch_size_p95": percentile([float(s) for s in ordered], 0.95),
+        "batch_size_max": ordered[-1],
     }

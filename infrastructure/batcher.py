@@ -1,0 +1,96 @@
+"""Group commit of concurrent ``schedule`` calls in one process.
+
+Callers queue their requests; one of them at a time, the leader, takes what is queued
+(up to the batch size, after waiting at most the longest wait for more), decides and
+commits it as one :class:`~.placement_batch.PlacementBatch`, answers every caller in
+it, and hands the lead to the first caller still queued. A lone call leads at once and
+waits for nobody (the default longest wait is 0): batches form by themselves while a
+commit is in flight, as a database's group commit does. Settings:
+``SECONDBOX_BATCH_SIZE`` (default 64) and ``SECONDBOX_BATCH_WAIT_MS`` (default 0).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from secondbox_scheduler.domain.values import DurableAssignment, ScheduleRequest
+
+if TYPE_CHECKING:
+    from secondbox_scheduler.infrastructure.placement_batch import Outcome
+
+DEFAULT_BATCH_SIZE = 64
+DEFAULT_BATCH_WAIT = 0.0
+
+
+class _Slot:
+    """One queued call: its request, then its answer or the lead."""
+
+    __slots__ = ("done", "lead", "outcome", "request", "wake")
+
+    def __init__(self, request: ScheduleRequest) -> None:
+        self.request = request
+        self.outcome: Outcome | BaseException | None = None
+        self.done = False
+        self.lead = False
+        self.wake = threading.Event()
+
+
+class PlacementBatcher:
+    """Queues concurrent placements and commits them in batches, in arrival order."""
+
+    def __init__(
+        self,
+        run: Callable[[Sequence[ScheduleRequest]], list[Outcome]],
+        *,
+        size: int = DEFAULT_BATCH_SIZE,
+        wait: float = DEFAULT_BATCH_WAIT,
+    ) -> None:
+        self._run = run
+        self.size = size
+        self.wait = wait
+        self._queue: deque[_Slot] = deque()
+        self._lock = threading.Lock()
+        self._busy = False
+
+    def schedule(self, request: ScheduleRequest) -> tuple[DurableAssignment, bool]:
+        slot = _Slot(request)
+        with self._lock:
+            self._queue.append(slot)
+            if not self._busy:
+                self._busy = slot.lead = True
+        if not slot.lead:
+            slot.wake.wait()
+        if not slot.done:  # this caller leads the next batch (its own is in it)
+            self._lead()
+        outcome = slot.outcome
+        if isinstance(outcome, BaseException):
+            raise outcome
+        assert outcome is not None
+        return outcome
+
+    def _lead(self) -> None:
+        if self.wait > 0:
+            deadline = time.monotonic() + self.wait
+            while len(self._queue) < self.size and time.monotonic() < deadline:
+                time.sleep(self.wait / 10)
+        with self._lock:
+            batch = [self._queue.popleft() for _ in range(min(self.size, len(self._queue)))]
+        try:
+            outcomes: Sequence[Outcome | BaseException] = self._run([s.request for s in batch])
+        except BaseException as error:  # the store failed: every caller of the batch hears it
+            outcomes = [error] * len(batch)
+        for slot, outcome in zip(batch, outcomes, strict=True):
+            slot.outcome, slot.done = outcome, True
+        with self._lock:
+            if self._queue:
+                successor = self._queue[0]
+                successor.lead = True
+                successor.wake.set()
+            else:
+                self._busy = False
+        for slot in batch:
+            slot.wake.set()

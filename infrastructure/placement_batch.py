@@ -1,0 +1,261 @@
+"""Placing a batch of schedule requests: decided in order, committed in one transaction.
+
+``schedule`` (through :class:`~.batcher.PlacementBatcher`) and ``schedule_many`` come
+here. A batch is decided as the requests would be one by one, in their order, against
+the current state: each request sees the sandboxes and runners as the requests before
+it left them (a duplicate request is answered as a replay of the first, a runner filled
+by the first refuses the next). Then every new event is saved in **one** transaction, in
+request order (each fence followed by its reservation and its token index, as a single
+placement writes them), so the log of a batch reads like the log of the same placements
+made one after another, and the audit fold checks it the same way.
+
+When another process committed first (the save fails on a stream version), only the
+requests that read a stream that changed, and the requests that read what those wrote,
+are decided again, each within its own ``serialization_retry_limit``; the others are
+committed at once. Every caller gets the answer a serial execution would give: its
+assignment, a replay (``created=False``), a typed refusal, or
+``SerializationContentionError`` after its own retry budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+from uuid import UUID
+
+from eventsourcing.persistence import IntegrityError
+
+from secondbox_scheduler.domain.assignment import to_durable_assignment
+from secondbox_scheduler.domain.errors import (
+    InvalidRequestError,
+    PlacementError,
+    ProfileRevisionMismatchError,
+    SchedulerError,
+    SerializationContentionError,
+)
+from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
+from secondbox_scheduler.domain.ids import runner_uuid, sandbox_uuid
+from secondbox_scheduler.domain.lease import RunnerLease
+from secondbox_scheduler.domain.refusals import OPERATION_SCHEDULE
+from secondbox_scheduler.domain.runner import Runner
+from secondbox_scheduler.domain.sandbox import TOKEN_REUSED, Sandbox
+from secondbox_scheduler.domain.values import DurableAssignment, ScheduleRequest
+
+if TYPE_CHECKING:
+    from secondbox_scheduler.infrastructure.application import SchedulerApplication
+
+Outcome = tuple[DurableAssignment, bool] | SchedulerError
+
+
+@dataclass
+class _Decision:
+    """One request's decision within a round: what it read, what it wrote, its answer."""
+
+    index: int
+    request: ScheduleRequest
+    read: set[UUID] = field(default_factory=set)  # streams whose state it depended on
+    events: list[Any] = field(default_factory=list)  # new events, in save order
+    aggregates: list[Any] = field(default_factory=list)  # that produced them
+    outcome: Outcome | None = None
+    refusal: PlacementError | None = None  # to record as evidence once final
+    generation: int = 0
+    stale: bool = False  # read a runner that saw a commit its sandbox read missed
+    attempt: int = 0  # the lost races before this round (recorded with the placement)
+    token: FencingTokenUse | None = None
+
+
+class PlacementBatch:
+    """Decides and commits one batch of already validated requests."""
+
+    def __init__(self, app: SchedulerApplication) -> None:
+        self.app = app
+
+    def run(self, requests: Sequence[ScheduleRequest]) -> list[Outcome]:
+        outcomes: list[Outcome | None] = [None] * len(requests)
+        conflicts = [0] * len(requests)
+        todo = list(range(len(requests)))
+        round_ = 0
+        while todo:
+            decisions = self._decide([(index, requests[index], conflicts[index]) for index in todo])
+            retry = self._commit(decisions)
+            for decision in decisions:
+                if decision.index in retry:
+                    continue
+                outcomes[decision.index] = decision.outcome
+                self._account(decision)
+            todo = []
+            for index in sorted(retry):
+                conflicts[index] += 1
+                limit = requests[index].serialization_retry_limit
+                if conflicts[index] > limit:
+                    self.app.metrics.add("contention_errors")
+                    outcomes[index] = SerializationContentionError(
+                        limit + 1, f"sandbox {requests[index].sandbox_id!r}"
+                    )
+                else:
+                    self.app.metrics.add("contention_retries")
+                    todo.append(index)
+            if todo:
+                self.app.backoff(round_)
+                round_ += 1
+        self.app.metrics.batch(len(requests))
+        return [outcome for outcome in outcomes if outcome is not None]
+
+    # -- deciding ---------------------------------------------------------------
+
+    def _decide(self, pending: list[tuple[int, ScheduleRequest, int]]) -> list[_Decision]:
+        """Decide each request in order against the state the earlier ones left."""
+        sandboxes: dict[str, Sandbox | None] = {}
+        runners: dict[str, tuple[Runner, RunnerLease] | SchedulerError] = {}
+        clock = self.app.now()
+        decisions = []
+        for index, request, attempt in pending:
+            decision = _Decision(index, request, attempt=attempt)
+            decisions.append(decision)
+            sandbox_id = request.sandbox_id
+            decision.read.add(sandbox_uuid(sandbox_id))
+            if sandbox_id not in sandboxes:
+                sandboxes[sandbox_id] = self.app._load_one_query(sandbox_uuid(sandbox_id), Sandbox)
+            sandbox = sandboxes[sandbox_id]
+            try:
+                decision.outcome = self._decide_one(decision, sandbox, runners, clock)
+            except PlacementError as error:
+                decision.outcome = error
+                decision.refusal = error
+            except SchedulerError as error:
+                decision.outcome = error
+        return decisions
+
+    def _decide_one(
+        self,
+        decision: _Decision,
+        sandbox: Sandbox | None,
+        runners: dict[str, tuple[Runner, RunnerLease] | SchedulerError],
+        clock: Any,
+    ) -> Outcome | None:
+        """The request's answer (None: a stale read, to decide again after a reload)."""
+        request = decision.request
+        if sandbox is None:
+            raise ProfileRevisionMismatchError(f"sandbox {request.sandbox_id!r} does not exist")
+        sandbox.check_pinned(request)
+        decision.generation = sandbox.generation
+        existing = sandbox.assignment()
+        if existing is not None:
+            return to_durable_assignment(existing), False
+        home = sandbox.home_runner_id
+        decision.read.add(runner_uuid(home))
+        if home not in runners:
+            try:
+                runners[home] = self.app._runner_and_lease(home)
+            except SchedulerError as error:
+                runners[home] = error
+        loaded = runners[home]
+        if isinstance(loaded, SchedulerError):
+            raise loaded
+        runner, lease = loaded
+        if runner.holds(request.sandbox_id, sandbox.generation):
+            decision.stale = True  # a rival's fence: the sandbox read missed it
+            return None
+        record, token = sandbox.fence(
+            request,
+            runner.snapshot(lease),
+            runner_version=runner.version,
+            lease_version=lease.version,
+            attempt=decision.attempt,
+            clock=clock,
+        )
+        assert request.now is not None
+        runner.reserve(
+            assignment_id=request.assignment_id,
+            sandbox_id=request.sandbox_id,
+            generation=sandbox.generation,
+            capacity=request.requirements.capacity,
+            at=request.now,
+        )
+        decision.events = [
+            *sandbox.collect_events(),
+            *runner.collect_events(),
+            *token.collect_events(),
+        ]
+        decision.token = token
+        decision.aggregates = [sandbox, runner, token]
+        return to_durable_assignment(record), True
+
+    # -- committing -------------------------------------------------------------
+
+    def _commit(self, decisions: list[_Decision]) -> set[int]:
+        """Save the placements; the indexes of the requests to decide again."""
+        stale = [d for d in decisions if d.stale]
+        retry = {d.index for d in stale}
+        if stale:  # and whatever read what a stale request read, to keep the order
+            retry |= _dependents(decisions, set().union(*(d.read for d in stale)))
+        placing = [d for d in decisions if d.events and d.index not in retry]
+        while placing:
+            # an aggregate a retried request also changed holds uncommitted events: no
+            # snapshot of it now (a later save will pass the interval again)
+            unsafe = {id(a) for d in decisions if d.index in retry for a in d.aggregates}
+            aggregates = [a for d in placing for a in d.aggregates if id(a) not in unsafe]
+            try:
+                self.app.save_in_order([e for d in placing for e in d.events], aggregates)
+                return retry
+            except IntegrityError:
+                changed = self._changed_streams(placing)
+                affected = _dependents(decisions, changed)
+                reused = {d.index for d in placing if self._reused_token(d, changed)}
+                retry |= affected - reused
+                placing = [d for d in placing if d.index not in affected]
+        return retry
+
+    def _reused_token(self, decision: _Decision, changed: set[UUID]) -> bool:
+        """Whether the save failed because an earlier generation used the request's token
+        (its stream exists for another generation): invariant 3, not a race. Then the
+        request's answer is that refusal, final."""
+        token = decision.token
+        if token is None or token.id not in changed:
+            return False
+        earlier = self.app._load(token.id, FencingTokenUse, copy=False)
+        if earlier is None or earlier.generation == decision.generation:
+            return False
+        decision.outcome = InvalidRequestError("fencing_token", TOKEN_REUSED)
+        decision.events = []
+        return True
+
+    def _changed_streams(self, placing: list[_Decision]) -> set[UUID]:
+        """Streams whose stored version moved past what the batch read (or, for a token
+        index, that exist already)."""
+        expected: dict[UUID, int] = {}
+        for decision in placing:
+            for event in decision.events:
+                version = event.originator_version - 1
+                expected[event.originator_id] = min(
+                    expected.get(event.originator_id, version), version
+                )
+        stored = self.app.stream_versions(list(expected))
+        return {stream for stream, version in expected.items() if stored.get(stream, 0) != version}
+
+    def _account(self, decision: _Decision) -> None:
+        outcome = decision.outcome
+        if isinstance(outcome, tuple):
+            self.app.metrics.add("placements" if outcome[1] else "replays")
+        if decision.refusal is not None:
+            request = decision.request
+            assert request.now is not None
+            self.app._record_refusal(
+                request.sandbox_id, OPERATION_SCHEDULE, decision.generation, decision.refusal,
+                request.now, request.heartbeat_timeout,
+            )  # fmt: skip
+
+
+def _dependents(decisions: list[_Decision], changed: set[UUID]) -> set[int]:
+    """The requests whose decisions may differ once the state is reloaded: those that
+    read a changed stream and, in request order, those that read a stream an earlier
+    one of them read or wrote (an earlier request never depends on a later one)."""
+    dirty = set(changed)
+    affected: set[int] = set()
+    for decision in sorted(decisions, key=lambda d: d.index):
+        touched = decision.read | {event.originator_id for event in decision.events}
+        if touched & dirty:
+            affected.add(decision.index)
+            dirty |= touched
+    return affected

@@ -1,0 +1,245 @@
+"""Placements in batches: the answers of a serial execution, committed together.
+
+A batch of requests (``schedule_many``, or concurrent ``schedule`` calls that the
+batcher groups) is decided in order against the state the earlier requests left, and
+committed in one transaction; each caller gets exactly what the same requests run one
+by one in the same order would give.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from secondbox_scheduler.domain import InvalidRequestError, ScheduleRequest, SchedulerError
+from secondbox_scheduler.infrastructure import SchedulerApplication
+from secondbox_scheduler.infrastructure.audit_replay import verify
+from tests.conftest import Clock, Store
+from tests.factories import (
+    capacity,
+    create_sandbox,
+    register,
+    requirements,
+    schedule_request,
+    token,
+)
+
+TOKENS = [token() for _ in range(12)]
+SANDBOXES = [f"s{i}" for i in range(5)]
+REQUEST = st.tuples(
+    st.sampled_from(SANDBOXES),
+    st.sampled_from(range(len(TOKENS))),
+    st.sampled_from(["ok"] * 6 + ["other-workspace", "other-requirements"]),
+)
+
+
+def build(app: SchedulerApplication, clock: Clock) -> None:
+    """Two runners, room for three placements each; five sandboxes homed on them."""
+    register(app, "ra", at=clock(), allocatable=capacity(instances=3))
+    register(app, "rb", at=clock(), allocatable=capacity(instances=3))
+    for sandbox_id in SANDBOXES:
+        create_sandbox(app, sandbox_id)
+
+
+def request_of(spec: tuple[str, int, str], clock: Clock) -> ScheduleRequest:
+    sandbox_id, token_index, variant = spec
+    overrides: dict[str, Any] = {"fencing_token": TOKENS[token_index]}
+    if variant == "other-workspace":
+        overrides["workspace_id"] = "elsewhere"
+    elif variant == "other-requirements":
+        overrides["requirements"] = requirements(capacity=capacity(instances=2))
+    request = schedule_request(sandbox_id, clock(), **overrides)
+    # the same assignment id for the same sandbox and token, whichever run makes it
+    return request.model_copy(update={"assignment_id": f"a-{sandbox_id}-{token_index}"})
+
+
+def answer(outcome: tuple[Any, bool] | SchedulerError) -> tuple[Any, ...]:
+    if isinstance(outcome, SchedulerError):
+        return ("error", type(outcome).__name__)
+    assignment, created = outcome
+    return ("ok", created, assignment.id, assignment.runner_id, assignment.generation)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(specs=st.lists(REQUEST, min_size=1, max_size=14))
+def test_a_batch_answers_as_the_same_requests_one_by_one(
+    tmp_path_factory: pytest.TempPathFactory, clock: Clock, specs: list[tuple[str, int, str]]
+) -> None:
+    """On SQLite files (the batch logic is the same on both stores; the racing tests
+    below run on PostgreSQL)."""
+    directory = tmp_path_factory.mktemp("batch")
+    serial = SchedulerApplication(
+        env={"SECONDBOX_DATABASE_URL": f"sqlite:///{directory}/serial.db"}, now=clock
+    )
+    batched = SchedulerApplication(
+        env={"SECONDBOX_DATABASE_URL": f"sqlite:///{directory}/batched.db"}, now=clock
+    )
+    try:
+        build(serial, clock)
+        build(batched, clock)
+        requests = [request_of(spec, clock) for spec in specs]
+        one_by_one = []
+        for request in requests:
+            try:
+                one_by_one.append(answer(serial.schedule(request)))
+            except SchedulerError as error:
+                one_by_one.append(answer(error))
+        together = [answer(outcome) for outcome in batched.schedule_many(requests)]
+        assert together == one_by_one
+        for runner_id in ("ra", "rb"):
+            assert batched.get_runner(runner_id).reserved == serial.get_runner(runner_id).reserved
+        assert verify(batched, measure_raw=False).ok
+    finally:
+        serial.close()
+        batched.close()
+
+
+FIXED = [("s0", 0, "ok"), ("s0", 0, "ok"), ("s1", 1, "ok"), ("s1", 2, "ok"),
+         ("s2", 3, "other-workspace"), ("s2", 3, "ok"), ("s3", 4, "ok"), ("s4", 5, "ok"),
+         ("s0", 6, "ok"), ("s2", 7, "other-requirements")]  # fmt: skip
+
+
+def test_a_batch_answers_as_one_by_one_on_both_stores(
+    store: Store, tmp_path: Path, clock: Clock
+) -> None:
+    batched = store.open()
+    serial = SchedulerApplication(
+        env={"SECONDBOX_DATABASE_URL": f"sqlite:///{tmp_path}/serial.db"}, now=clock
+    )
+    store.opened.append(serial)
+    build(batched, clock)
+    build(serial, clock)
+    requests = [request_of(spec, clock) for spec in FIXED]
+    one_by_one = []
+    for request in requests:
+        try:
+            one_by_one.append(answer(serial.schedule(request)))
+        except SchedulerError as error:
+            one_by_one.append(answer(error))
+    assert [answer(o) for o in batched.schedule_many(requests)] == one_by_one
+    assert ("ok", False, "a-s0-0", one_by_one[0][3], 1) == one_by_one[1]  # a replay
+    assert verify(batched, measure_raw=False).ok
+
+
+def test_an_invalid_request_in_a_batch_refuses_only_itself(
+    app: SchedulerApplication, clock: Clock
+) -> None:
+    build(app, clock)
+    good = schedule_request("s0", clock())
+    bad = schedule_request("s1", clock()).model_copy(update={"fencing_token": b"short"})
+    outcomes = app.schedule_many([bad, good])
+    assert isinstance(outcomes[0], InvalidRequestError)
+    assert outcomes[0].field == "fencing_token"
+    assert not isinstance(outcomes[1], SchedulerError)
+    assert outcomes[1][1] is True
+
+
+def test_concurrent_calls_are_grouped_and_each_gets_its_own_answer(
+    store: Store, clock: Clock
+) -> None:
+    app = store.open()
+    build(app, clock)
+    for index in range(30):
+        create_sandbox(app, f"t{index}")
+    answers: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def call(sandbox_id: str) -> None:
+        try:
+            outcome: Any = app.schedule(schedule_request(sandbox_id, clock()))
+        except SchedulerError as error:
+            outcome = error
+        with lock:
+            answers[sandbox_id] = outcome
+
+    threads = [threading.Thread(target=call, args=(f"t{i}",)) for i in range(30)]
+    threads += [threading.Thread(target=call, args=(f"t{i}",)) for i in range(5)]  # repeats
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    placed = [a for a in answers.values() if isinstance(a, tuple)]
+    refused = [a for a in answers.values() if isinstance(a, SchedulerError)]
+    assert len(placed) + len(refused) == 30
+    reserved = sum(app.get_runner(r).reserved.instances for r in ("ra", "rb"))
+    assert reserved == sum(1 for a in placed) <= 6  # never past allocatable
+    # every call was decided in a batch, and no batch was larger than the setting
+    assert sum(size * count for size, count in app.metrics.batch_sizes.items()) == 35
+    assert max(app.metrics.batch_sizes) <= app.batcher.size if app.batcher else True
+    assert verify(app, measure_raw=False).ok
+
+
+@pytest.mark.postgres
+def test_racing_batchers_in_several_replicas_never_oversubscribe(
+    postgres_schema: Any, clock: Clock
+) -> None:
+    env = postgres_schema.env()
+    replicas = [SchedulerApplication(env=dict(env), now=clock) for _ in range(3)]
+    try:
+        roomy_but_seven = capacity(
+            instances=7, vcpu_count=100, memory_bytes=2**40, disk_bytes=2**40, operations=100
+        )
+        register(replicas[0], "hot", at=clock(), allocatable=roomy_but_seven)
+        for index in range(24):
+            create_sandbox(replicas[0], f"h{index}")
+        outcomes: Counter[str] = Counter()
+        lock = threading.Lock()
+
+        def call(app: SchedulerApplication, sandbox_id: str) -> None:
+            try:
+                _, created = app.schedule(schedule_request(sandbox_id, clock()))
+                kind = "placed" if created else "replay"
+            except SchedulerError as error:
+                kind = type(error).__name__
+            with lock:
+                outcomes[kind] += 1
+
+        threads = [
+            threading.Thread(target=call, args=(replicas[i % 3], f"h{i % 24}")) for i in range(72)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        hot = replicas[0].get_runner("hot")
+        assert hot.reserved.instances == outcomes["placed"] == 7, outcomes
+        assert set(outcomes) <= {"placed", "replay", "HomeRunnerUnavailableError"}
+        assert verify(replicas[0], measure_raw=False).ok
+    finally:
+        for app in replicas:
+            app.close()
+
+
+def test_batching_can_be_switched_off(store: Store, clock: Clock) -> None:
+    app = SchedulerApplication(env={**store.env, "SECONDBOX_BATCHING": "off"}, now=clock)
+    store.opened.append(app)
+    assert app.batcher is None
+    build(app, clock)
+    assert app.schedule(schedule_request("s0", clock()))[1]
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("SECONDBOX_BATCH_SIZE", "0"), ("SECONDBOX_BATCH_SIZE", "many"),
+     ("SECONDBOX_BATCH_WAIT_MS", "-1")],
+)  # fmt: skip
+def test_bad_batch_settings_are_refused(store: Store, name: str, value: str) -> None:
+    with pytest.raises(InvalidRequestError) as refused:
+        SchedulerApplication(env={**store.env, name: value})
+    assert refused.value.field == name
+
+
+def test_a_lone_call_waits_for_nobody(app: SchedulerApplication, clock: Clock) -> None:
+    build(app, clock)
+    assert app.batcher is not None
+    assert app.batcher.wait == 0  # the default: a lone call leads at once
+    assert app.schedule(schedule_request("s0", clock()))[1]
+    assert app.metrics.batch_sizes == {1: 1}
