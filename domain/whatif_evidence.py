@@ -174,16 +174,30 @@ def compare_runner_codes(
     """What a refusal recorded without its requirements can still be checked against: the
     listed runners are runners of one pool and, with the unlisted ones, all of it; the
     codes that depend on the runner alone (:data:`RUNNER_CODES`) agree for every listed
-    runner, and the prefilter counts of those codes agree for the pool."""
-    pools = {snapshots[c["runner_id"]].pool_name for c in candidates if c["runner_id"] in snapshots}
+    runner, and the prefilter counts of those codes agree for the pool. When no runner
+    is listed (all were excluded by the prefilter), some pool must agree."""
     missing = [c["runner_id"] for c in candidates if c["runner_id"] not in snapshots]
     if missing:
         return f"candidate {missing[0]!r} is not a runner in the replay"
+    pools = {snapshots[c["runner_id"]].pool_name for c in candidates}
     if len(pools) > 1:
         return f"the candidates belong to several pools {sorted(pools)}"
     if not pools:
-        return None if not unlisted else "no candidate names the pool of the counted runners"
-    pool = pools.pop()
+        if not unlisted:
+            return None  # an empty pool
+        every = sorted({snapshot.pool_name for snapshot in snapshots.values()})
+        found = [_pool_codes(p, candidates, unlisted, snapshots, runner_codes) for p in every]
+        return None if None in found else "no pool of the replay has the counted runners"
+    return _pool_codes(pools.pop(), candidates, unlisted, snapshots, runner_codes)
+
+
+def _pool_codes(
+    pool: str,
+    candidates: Sequence[Mapping[str, Any]],
+    unlisted: Unlisted,
+    snapshots: Mapping[str, RunnerSnapshot],
+    runner_codes: Mapping[str, Iterable[str]],
+) -> str | None:
     members = [runner_id for runner_id, s in snapshots.items() if s.pool_name == pool]
     if len(candidates) + unlisted.total != len(members):
         return (
