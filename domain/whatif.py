@@ -494,8 +494,9 @@ class WhatIf:
         return view
 
     def _kept(self, event: Any, unlisted: Unlisted) -> None:
-        """A refused creation recorded without its requirements (releases before 0.3):
-        it cannot be decided again, so it stays refused; check what the record allows."""
+        """A refused creation recorded without its requirements (written before the
+        attribute existed): it cannot be decided again, so it stays refused; check what
+        the record allows."""
         report = self.tally.report
         report.kept += 1
         keys = _listed_keys(event.candidates, unlisted)
