@@ -118,13 +118,14 @@ class WhatIf:
 
     def __init__(self, changes: WhatIfChanges | None = None) -> None:
         self.changes = changes or WhatIfChanges()
-        # the seed's ranking is decide()'s own (None), so that identity takes its path
+        # the seed's ranking is the pool views' own key (None): SPEC section 3's rank key
         self.policy = None if self.changes.policy is SEED else self.changes.policy
         self.timeout = self.changes.heartbeat_timeout
         self.recorded = Fleet()  # reservations as the log has them
         self.fleet = Fleet()  # the counterfactual
         self.sandboxes: dict[str, _Sandbox] = {}
-        self.streams: dict[UUID | str, Any] = {}  # runner and lease stream -> id, sandbox -> id
+        # a runner's stream -> its id; a sandbox's and its refusal log's -> the sandbox id
+        self.streams: dict[UUID | str, Any] = {}
         self.leases: dict[UUID, Lease] = {}
         self.views: dict[tuple[int, timedelta], PoolView] = {}
         self.requirement_values: dict[bytes, Requirements] = {}

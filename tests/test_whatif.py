@@ -26,6 +26,7 @@ from secondbox_scheduler.domain.errors import InvalidRequestError, NoCompatibleR
 from secondbox_scheduler.domain.evidence import RunnerEvaluation
 from secondbox_scheduler.domain.placement import checked_dimensions, decide, select_runner
 from secondbox_scheduler.domain.ranking import SEED, BinPacking, RankingPolicy, Spread
+from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.domain.values import Capacity, Requirements, RunnerSnapshot
 from secondbox_scheduler.domain.whatif import WhatIf
 from secondbox_scheduler.domain.whatif_changes import WhatIfChanges
@@ -706,6 +707,35 @@ def test_the_command_reports_identity_and_changes(history: History, tmp_path: Pa
     assert "reproduced" in human.stdout
     assert "changed" in human.stdout
     assert "Utilisation per pool" in human.stdout
+
+
+def test_a_history_that_does_not_reproduce_itself_exits_1_naming_the_first_difference(
+    tmp_path: Path,
+) -> None:
+    """A home decision recorded over one designated runner (as the benchmark's setup
+    makes them, with ``Sandbox.create``), while a better runner was in the pool."""
+    clock = Clock(SIM_START)
+    url = f"sqlite:///{tmp_path / 'designed.db'}"
+    app = SchedulerApplication(env={"SECONDBOX_DATABASE_URL": url}, now=clock)
+    register(app, "big", at=clock(), allocatable=capacity(instances=10))
+    register(app, "small", at=clock(), allocatable=capacity(instances=2))
+    create_sandbox(app, "chosen")  # by create_sandbox: reproduced
+    small = app.get_runner("small")
+    app.save(
+        Sandbox.create(
+            sandbox_id="designed", workspace_id="workspace-designed",
+            profile_revision_id="profile-1", requirements=requirements(), runners=[small],
+            now=clock(), heartbeat_timeout=timedelta(seconds=30),
+        )
+    )  # fmt: skip
+    position = app.head_position()
+    app.close()
+    found = whatif_cli("--database-url", url)
+    assert found.exit_code == 1, found.output
+    assert f"first difference: #{position} create_sandbox designed" in found.stdout
+    report = json.loads(whatif_cli("--database-url", url, "--json").stdout)
+    assert (report["decisions"], report["reproduced"], report["changed"]) == (2, 1, 1)
+    assert report["first_difference"]["position"] == position
 
 
 def test_the_command_refuses_bad_flags_in_one_line(history: History) -> None:
