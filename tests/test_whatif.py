@@ -176,7 +176,7 @@ def history(tmp_path_factory: pytest.TempPathFactory) -> History:
     for runner_id in idle:
         register(app, runner_id, at=SIM_START, pool_name="idle")
     app.close()
-    run_simulation(SimulationConfig(url, seed=5, runners=12, sandboxes=30, cycles=2, fresh=False))
+    run_simulation(SimulationConfig(url, seed=5, runners=10, sandboxes=24, cycles=2, fresh=False))
     app = SchedulerApplication(env={"SECONDBOX_DATABASE_URL": url})
     runners = tuple(r.id for r in app.runner_snapshots() if r.pool_name != "idle")
     app.close()
@@ -288,7 +288,7 @@ def assert_counterfactual_invariants(engine: WhatIf) -> None:
             assert 0 <= runner.reserved[dim] <= runner.allocatable[dim], (runner.runner_id, dim)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=HEALTH)
+@settings(max_examples=8, deadline=None, suppress_health_check=HEALTH)
 @given(data=st.data())
 def test_every_counterfactual_state_keeps_the_invariants(
     history: History, data: st.DataObject
