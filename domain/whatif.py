@@ -187,7 +187,7 @@ class WhatIf:
         if handler is not None:
             handler(position, event)
         elif type(event) in LIFECYCLE:
-            self.lifecycle(position, event.originator_id)
+            self._lifecycle(event.originator_id)
         else:
             name = type(event).__qualname__
             self.unknown[name] = self.unknown.get(name, 0) + 1
@@ -214,10 +214,13 @@ class WhatIf:
         self.position = position
         self.events += 1
         start = self.changes.window.start
-        if not self.started and isinstance(start, int) and position >= start:
+        if not self.started and (start is None or (isinstance(start, int) and position >= start)):
             self.started = True
             self.recorded.usage.begin()
             self.fleet.usage.begin()
+        self._lifecycle(stream)
+
+    def _lifecycle(self, stream: UUID | str) -> None:
         if self.started:
             sandbox_id = self.streams.get(stream)
             sandbox = self.sandboxes.get(sandbox_id) if isinstance(sandbox_id, str) else None

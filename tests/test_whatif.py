@@ -356,6 +356,9 @@ def test_a_window_replays_only_its_decisions(history: History) -> None:
     assert earlier.reproduced == earlier.decisions > 0
     assert earlier.position <= half < later.position
     assert later.decisions + earlier.decisions == whole.decisions
+    # bounded by times, every event is decoded (their times are needed): the same replay
+    by_time = replay(history.url, {"window": {"until": "2100-01-01T00:00:00Z"}})
+    assert by_time.to_dict() | {"window": None} == whole.to_dict() | {"window": None}
     # a drain from the window's start, not before: the earlier decisions are kept
     drained = replay(
         history.url, {"window": {"from": half + 1}, "drain": [{"runner": history.runners[0]}]}
