@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from eventsourcing.utils import TopicError, resolve_topic
 
 from secondbox_scheduler.domain.errors import InvalidRequestError
@@ -100,6 +99,21 @@ def whatif(
     return WhatIfResult(report, time.perf_counter() - started)
 
 
+def _yaml(path: Path, text: str) -> Any:
+    try:
+        import yaml
+    except ImportError:  # the yaml extra is not installed
+        raise InvalidRequestError(
+            "changes",
+            f"{path}: reading YAML needs PyYAML (pip install 'secondbox-scheduler[yaml]'); "
+            "or give the changes as a .json file",
+        ) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise InvalidRequestError("changes", f"{path} is not valid YAML: {error}") from None
+
+
 def _class_of(topic: str, known: dict[str, type[Any] | None]) -> type[Any] | None:
     """The event class of a topic (None when it does not resolve: the decoder then
     raises the mapper's own error)."""
@@ -143,16 +157,20 @@ def changes_from(data: Mapping[str, Any]) -> WhatIfChanges:
 
 
 def load_changes(path: Path) -> dict[str, Any]:
-    """The changes in a JSON or YAML file (a mapping), not yet validated."""
+    """The changes in a JSON or YAML file (a mapping), not yet validated. A ``.json``
+    file is read as JSON; any other as YAML (which JSON is too), with PyYAML (the
+    ``yaml`` extra: ``pip install 'secondbox-scheduler[yaml]'``)."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as error:
         raise InvalidRequestError("changes", f"cannot read {path}: {error.strerror}") from None
-    try:
-        # a .json file is read as JSON; anything else as YAML (which JSON is too)
-        data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as error:
-        raise InvalidRequestError("changes", f"{path} is not valid JSON or YAML: {error}") from None
+    if path.suffix.lower() == ".json":
+        try:
+            data = json.loads(text)
+        except ValueError as error:
+            raise InvalidRequestError("changes", f"{path} is not valid JSON: {error}") from None
+    else:
+        data = _yaml(path, text)
     if data is None:
         data = {}
     if not isinstance(data, dict):

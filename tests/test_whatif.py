@@ -10,6 +10,7 @@ placements a drain must move.
 from __future__ import annotations
 
 import json
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -676,6 +677,17 @@ def test_changes_load_from_json_and_yaml(tmp_path: Path) -> None:
     for name in ("bad.yaml", "list.json", "missing.json"):
         with pytest.raises(InvalidRequestError):
             load_changes(tmp_path / name)
+
+
+def test_yaml_without_pyyaml_is_refused_naming_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "c.yaml").write_text("policy: binpack\n")
+    (tmp_path / "c.json").write_text('{"policy": "binpack"}')
+    monkeypatch.setitem(sys.modules, "yaml", None)  # import yaml raises ImportError
+    with pytest.raises(InvalidRequestError, match=r"secondbox-scheduler\[yaml\]"):
+        load_changes(tmp_path / "c.yaml")
+    assert load_changes(tmp_path / "c.json") == {"policy": "binpack"}
 
 
 def whatif_cli(*args: str) -> Any:
