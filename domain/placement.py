@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
 
 from secondbox_scheduler.domain.errors import (
     EgressContextUnavailableError,
@@ -49,6 +50,9 @@ from secondbox_scheduler.domain.values import (
     RunnerSnapshot,
     require_aware,
 )
+
+if TYPE_CHECKING:
+    from secondbox_scheduler.domain.ranking import RankingPolicy
 
 CAPABILITY_COMPUTE = "compute"
 CAPABILITY_CLIENT_SELECTED_IMAGE = "client-selected-image"
@@ -286,11 +290,15 @@ def decide(
     now: datetime,
     heartbeat_timeout: timedelta,
     unlisted: Unlisted | None = None,
+    *,
+    policy: RankingPolicy | None = None,
 ) -> PlacementDecision:
     """Evaluate every runner and pick the best compatible one, without raising.
 
     ``unlisted``: counts of the pool's runners not passed in (a store's prefilter); they
-    are only carried as evidence, never chosen.
+    are only carried as evidence, never chosen. ``policy``: another order of the
+    compatible runners (``domain/ranking.py``); by default SPEC section 3's. ``ranks``
+    always holds the SPEC section 3 keys (what decision records state).
     """
     ctx = _context(requirements, now, heartbeat_timeout)
     evaluations = tuple(_evaluate(ctx, runner) for runner in runners)
@@ -300,6 +308,8 @@ def decide(
     )
     compatible = [(key, index) for index, key in enumerate(ranks) if key is not None]
     chosen = runners[min(compatible)[1]] if compatible else None
+    if policy is not None and compatible:
+        chosen = runners[min((policy.key(requirements, runners[i]), i) for _, i in compatible)[1]]
     return PlacementDecision(chosen, evaluations, unlisted or Unlisted(), ranks)
 
 
@@ -332,9 +342,12 @@ def select_runner(
     runners: Sequence[RunnerSnapshot],
     now: datetime,
     heartbeat_timeout: timedelta,
+    *,
+    policy: RankingPolicy | None = None,
 ) -> RunnerSnapshot:
-    """Hard compatibility first, then locality and stable identity ordering."""
-    decision = decide(requirements, runners, now, heartbeat_timeout)
+    """Hard compatibility first, then locality and stable identity ordering (or
+    ``policy``'s order, ``domain/ranking.py``)."""
+    decision = decide(requirements, runners, now, heartbeat_timeout, policy=policy)
     if decision.chosen is None:
         raise _refuse(decision, NoCompatibleRunnerError)
     return decision.chosen

@@ -18,6 +18,7 @@ from eventsourcing.domain import Aggregate
 
 from secondbox_scheduler.domain.evidence import RunnerEvaluation, Unlisted, summarize_refusals
 from secondbox_scheduler.domain.ids import refusal_log_uuid
+from secondbox_scheduler.domain.values import Requirements
 
 OPERATION_CREATE = "create_sandbox"
 OPERATION_SCHEDULE = "schedule"
@@ -48,6 +49,9 @@ class RefusalLog(Aggregate):
         heartbeat_timeout_seconds: float
         candidates: list[dict[str, Any]]
         unlisted: dict[str, Any] | None = None  # Unlisted.to_record(); absent before
+        # create_sandbox: the requirements refused (Requirements.to_record()), so that the
+        # request can be replayed (audit whatif); absent before, None for schedule
+        requirements: dict[str, Any] | None = None
 
         def apply(self, log: RefusalLog) -> None:
             log.last[self.operation] = [self.generation, _reasons(self.candidates, self.unlisted)]
@@ -62,10 +66,13 @@ class RefusalLog(Aggregate):
         decided_at: datetime,
         heartbeat_timeout: timedelta,
         unlisted: Unlisted | None = None,
+        requirements: Requirements | None = None,
     ) -> bool:
         """Record a refusal unless its reasons equal the last one of this operation.
 
-        ``unlisted``: counts of the runners refused without an evaluation record."""
+        ``unlisted``: counts of the runners refused without an evaluation record;
+        ``requirements``: what a refused ``create_sandbox`` asked for (a schedule's are
+        the sandbox's pinned ones)."""
         candidates = [evaluation.to_record() for evaluation in evaluations]
         counts = unlisted.to_record() if unlisted else None
         if self.last.get(operation) == [generation, _reasons(candidates, counts)]:
@@ -81,6 +88,7 @@ class RefusalLog(Aggregate):
             heartbeat_timeout_seconds=heartbeat_timeout.total_seconds(),
             candidates=candidates,
             unlisted=counts,
+            requirements=None if requirements is None else requirements.to_record(),
         )
         return True
 

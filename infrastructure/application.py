@@ -474,7 +474,9 @@ class SchedulerApplication(Application[UUID]):
                     unlisted=unlisted,
                 )
             except PlacementError as error:
-                self._record_refusal(sandbox_id, OPERATION_CREATE, 0, error, now, heartbeat_timeout)
+                self._record_refusal(
+                    sandbox_id, OPERATION_CREATE, 0, error, now, heartbeat_timeout, wanted
+                )
                 raise
             try:
                 self.save(sandbox)
@@ -500,9 +502,11 @@ class SchedulerApplication(Application[UUID]):
         error: PlacementError,
         decided_at: datetime,
         heartbeat_timeout: timedelta,
+        requirements: Requirements | None = None,
     ) -> None:
         """Record a refused placement as evidence (best effort: it never changes the
-        outcome; a lost race is retried a few times, then the record is dropped)."""
+        outcome; a lost race is retried a few times, then the record is dropped).
+        ``requirements``: a refused creation's, so that it can be replayed."""
         for _ in range(4):
             log = self._load(refusal_log_uuid(sandbox_id), RefusalLog) or RefusalLog.open(
                 sandbox_id, decided_at
@@ -515,6 +519,7 @@ class SchedulerApplication(Application[UUID]):
                 decided_at=decided_at,
                 heartbeat_timeout=heartbeat_timeout,
                 unlisted=error.unlisted,
+                requirements=requirements,
             )
             if not recorded:
                 return

@@ -29,6 +29,7 @@ GOALS = {
     "generation_growth",
     "audit_replay",
     "projection_rebuild",
+    "whatif_replay",
 }
 GOAL_FIELDS = {"target", "value", "met", "detail"}
 
@@ -129,6 +130,10 @@ def test_quick_bench_on_sqlite_reports_every_section_and_goal(quick: QuickRun) -
     assert replay["audit_verify"]["violations"] == 0
     assert replay["rebuild"]["events"] == replay["events_in_log"] > 0
     assert replay["rebuild"]["ratio_to_raw_read"] is not None
+    whatif = replay["audit_whatif"]
+    assert whatif["events"] == replay["events_in_log"]
+    assert whatif["ratio_to_audit_verify"] is not None
+    assert 0 <= whatif["reproduced"] <= whatif["decisions"] > 0
 
     assert_goals(report, measured=GOALS)
     assert not database.exists(), "the benchmark removes its database unless --keep"

@@ -17,6 +17,7 @@ LINE_VERSUS_ROW_LOCK = 0.5  # batched placements/s over the row-lock peer's plac
 MOONSHOT_VERSUS_ROW_LOCK = 1.0
 GOAL_BATCHED_CONTENTION = 0.5  # contended batched goodput over uncontended batched
 GOAL_BATCHED_P99_MS = 50.0
+GOAL_WHATIF = 0.5  # x the audit verify rate, on the same history
 
 
 def _goal(target: str, value: float | None, met: bool | None, detail: str) -> dict[str, Any]:
@@ -187,4 +188,17 @@ def evaluate_goals(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
             )
         else:
             goals[key] = _skipped(target)
+    target = f">= {GOAL_WHATIF} x audit verify rate (events/s, same history)"
+    whatif = replay.get("audit_whatif") if replay else None
+    if replay and whatif:
+        ratio = whatif["ratio_to_audit_verify"] or 0.0
+        goals["whatif_replay"] = _goal(
+            target,
+            round(ratio, 3),
+            ratio >= GOAL_WHATIF,
+            f"audit whatif {whatif['events_per_second']:,.0f} events/s vs audit verify "
+            f"{replay['audit_verify']['events_per_second']:,.0f} events/s",
+        )
+    else:
+        goals["whatif_replay"] = _skipped(target)
     return goals

@@ -215,7 +215,10 @@ def replay_table(report: dict[str, Any]) -> Table | None:
     table = Table(title="Replay of the whole log", box=box.SIMPLE)
     for column in ("replay", "events", "seconds", "events/s", "raw read events/s", "ratio"):
         table.add_column(column, justify="left" if column == "replay" else "right")
-    for key, label in (("rebuild", "projection rebuild"), ("audit_verify", "audit verify")):
+    rows = [("rebuild", "projection rebuild"), ("audit_verify", "audit verify")]
+    if "audit_whatif" in replay:
+        rows.append(("audit_whatif", "audit whatif (no change)"))
+    for key, label in rows:
         row = replay[key]
         events = row.get("events", row.get("events_checked", 0))
         table.add_row(
@@ -226,6 +229,13 @@ def replay_table(report: dict[str, Any]) -> Table | None:
             f"{row['raw_read_events_per_second']:,.0f}",
             _ratio(row["ratio_to_raw_read"]),
         )
+    whatif = replay.get("audit_whatif")
+    if whatif:
+        table.caption = (
+            f"audit whatif: {_ratio(whatif['ratio_to_audit_verify'])} x the audit verify rate; "
+            f"{whatif['reproduced']:,} of {whatif['decisions']:,} decisions reproduced"
+        )
+        table.caption_justify = "left"
     return table
 
 

@@ -1,4 +1,5 @@
-"""The ``audit`` command group: verify, state, timeline and explain, replayed from the events."""
+"""The ``audit`` command group: verify, state, timeline, explain and whatif, replayed from
+the events (``whatif``'s options and report are in :mod:`.whatif`)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from secondbox_scheduler.infrastructure.cli.inspection import (
     assignment_table,
     runner_table,
 )
+from secondbox_scheduler.infrastructure.cli.whatif import WHATIF_HELP, audit_whatif
 from secondbox_scheduler.infrastructure.settings import DEFAULT_SQLITE_URL
 
 audit_cli = typer.Typer(
@@ -222,6 +224,9 @@ def audit_explain(
                 rank = ", ".join(f"{k} {v:,}" for k, v in line.rank.items())
             runner_id = shown(line.runner_id)
             console.print(f"  {runner_id:<16} {line.verdict:<26} {shown(reasons or rank)}")
+
+
+audit_cli.command("whatif", help=WHATIF_HELP)(audit_whatif)
 
 
 def _one_sandbox(option: str | None, positional: str | None) -> str:
