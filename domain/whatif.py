@@ -38,6 +38,7 @@ from secondbox_scheduler.domain.errors import (
     NoCompatibleRunnerError,
 )
 from secondbox_scheduler.domain.evidence import RunnerEvaluation, Unlisted, reason_keys
+from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
 from secondbox_scheduler.domain.lease import RunnerLease, materialization_snapshots
 from secondbox_scheduler.domain.placement import evaluate_runner
 from secondbox_scheduler.domain.ranking import SEED
@@ -156,6 +157,8 @@ class WhatIf:
             Sandbox.GenerationAdvanced: self._advanced,
             RefusalLog.Opened: self._refusal_log_opened,
             RefusalLog.Refused: self._refused,
+            # the token index saved with each fence: nothing to replay (the fence is)
+            FencingTokenUse.Used: lambda position, event: None,
         }
 
     # -- driving --------------------------------------------------------------

@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 
 from secondbox_scheduler.domain.errors import InvalidRequestError, NoCompatibleRunnerError
 from secondbox_scheduler.domain.evidence import RunnerEvaluation
+from secondbox_scheduler.domain.ids import sandbox_uuid
 from secondbox_scheduler.domain.placement import checked_dimensions, decide, select_runner
 from secondbox_scheduler.domain.ranking import SEED, BinPacking, RankingPolicy, Spread
 from secondbox_scheduler.domain.sandbox import Sandbox
@@ -377,6 +378,16 @@ class Built:
     positions: dict[str, int]
 
 
+def last_fence_position(app: SchedulerApplication, sandbox_id: str) -> int:
+    """The position of the sandbox's latest AssignmentFenced in the log."""
+    stream = sandbox_uuid(sandbox_id)
+    return max(
+        n.id
+        for n in app.recorder.select_notifications(start=1, limit=100_000)
+        if n.originator_id == stream and n.topic.endswith(":Sandbox.AssignmentFenced")
+    )
+
+
 def test_draining_one_runner_moves_exactly_the_placements_known_in_advance(
     tmp_path: Path,
 ) -> None:
@@ -395,7 +406,7 @@ def test_draining_one_runner_moves_exactly_the_placements_known_in_advance(
     def start(sandbox_id: str, generation: int) -> None:
         request = schedule_request(sandbox_id, clock(), heartbeat_timeout=timedelta(hours=1))
         app.schedule(request)
-        positions[f"{sandbox_id}/g{generation}"] = app.head_position() - 1  # the fence
+        positions[f"{sandbox_id}/g{generation}"] = last_fence_position(app, sandbox_id)
         tokens[sandbox_id] = request.fencing_token
 
     for index in range(1, 5):
