@@ -14,6 +14,7 @@ by at most one event per interval however often the runner beats.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -40,6 +41,14 @@ class RunnerLease(Aggregate):
         self.last_heartbeat_at: datetime | None = None
         self.artifact_digests: list[str] = []
         self.materializations: list[dict[str, str]] = []
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RunnerLease:
+        """The copy a command works on: events replace the lists, never change them in
+        place, so the copy shares them."""
+        clone = copy.copy(self)
+        clone._pending_events = list(self._pending_events)
+        memo[id(self)] = clone
+        return clone
 
     @classmethod
     def open(cls, runner_id: str, at: datetime) -> RunnerLease:

@@ -35,6 +35,8 @@ def text_problem(value: str, *, max_length: int, name: bool) -> str | None:
     value, which must also be free of every control character."""
     if len(value) > max_length:
         return f"must be at most {max_length} characters (got {len(value)})"
+    if value.isprintable():  # no control, format or surrogate character: the usual case
+        return None
     if "\x00" in value:
         return "must not contain NUL characters"
     for character in value:

@@ -15,6 +15,7 @@ generations stay in the events and in the assignments read model;
 
 from __future__ import annotations
 
+import copy
 import hmac
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
@@ -62,6 +63,10 @@ from secondbox_scheduler.domain.reconcile import (
 from secondbox_scheduler.domain.values import Requirements, RunnerSnapshot, ScheduleRequest
 
 TOKEN_REUSED = "must differ from every earlier token of this sandbox"
+# Parsed pinned requirements by the id of the record parsed (which the entry holds, so
+# the id cannot be reused while the entry lives): see Sandbox.pinned_requirements.
+_PINNED: dict[int, tuple[dict[str, Any], Requirements]] = {}
+_PINNED_LIMIT = 10_000
 
 
 class Sandbox(Aggregate):
@@ -142,6 +147,20 @@ class Sandbox(Aggregate):
             home_runner_id=decision.chosen.id,
             home_decision=home_decision,
         )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Sandbox:
+        """The copy a command works on (the repository copies cached aggregates).
+
+        Events replace the values in the records rather than change them in place, so
+        the copy shares them and copies only what events change in place: the current
+        assignment record (``_touch`` updates it) and the legacy tokens (appended to).
+        """
+        clone = copy.copy(self)
+        clone.current = None if self.current is None else dict(self.current)
+        clone.legacy_tokens = list(self.legacy_tokens)
+        clone._pending_events = list(self._pending_events)
+        memo[id(self)] = clone
+        return clone
 
     # -- events ---------------------------------------------------------------
 
@@ -279,7 +298,18 @@ class Sandbox(Aggregate):
         return self.current
 
     def pinned_requirements(self) -> Requirements:
-        return Requirements.from_record(self.requirements)
+        """The pinned requirements as a value. Parsed once per stored record: the copies
+        a command works on share the record (see ``__deepcopy__``), so the parsed value
+        is kept beside the very dict it was parsed from, never in the state."""
+        record = self.requirements
+        cached = _PINNED.get(id(record))
+        if cached is not None and cached[0] is record:
+            return cached[1]
+        parsed = Requirements.from_record(record)
+        if len(_PINNED) >= _PINNED_LIMIT:
+            _PINNED.clear()
+        _PINNED[id(record)] = (record, parsed)
+        return parsed
 
     # -- commands -------------------------------------------------------------
 

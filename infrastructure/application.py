@@ -27,7 +27,6 @@ from eventsourcing.utils import EnvType, strtobool
 from secondbox_scheduler.domain.assignment import to_durable_assignment
 from secondbox_scheduler.domain.errors import (
     AlreadyExistsError,
-    HomeRunnerUnavailableError,
     InvalidRequestError,
     PlacementError,
     RunnerNotFoundError,
@@ -61,7 +60,6 @@ from secondbox_scheduler.domain.values import (
     require_text,
 )
 from secondbox_scheduler.infrastructure.batcher import DEFAULT_BATCH_SIZE, PlacementBatcher
-from secondbox_scheduler.infrastructure.fast_forward import fast_forward_pair, load_uncached
 from secondbox_scheduler.infrastructure.placement_batch import PlacementBatch
 from secondbox_scheduler.infrastructure.settings import (
     BATCH_SIZE,
@@ -272,15 +270,6 @@ class SchedulerApplication(Application[UUID]):
             aggregate: object = self.repository.get(aggregate_id, deepcopy_from_cache=copy)
         except AggregateNotFoundError:
             return None
-        assert isinstance(aggregate, kind)
-        return aggregate
-
-    def _load_one_query(self, aggregate_id: UUID, kind: type[A]) -> A | None:
-        """``_load`` (a copy), reading an uncached aggregate's snapshot and events with
-        one query where the store allows (:func:`infrastructure.fast_forward.load_uncached`)."""
-        aggregate = load_uncached(self, aggregate_id)
-        if aggregate is None:
-            return self._load(aggregate_id, kind)
         assert isinstance(aggregate, kind)
         return aggregate
 
@@ -548,21 +537,6 @@ class SchedulerApplication(Application[UUID]):
         if runner is None:
             raise RunnerNotFoundError(runner_id)
         return runner
-
-    def _runner_and_lease(self, runner_id: str) -> tuple[Runner, RunnerLease]:
-        """The home runner (a copy to command) and its lease; cached ones are brought
-        up to date with one query (:mod:`infrastructure.fast_forward`)."""
-        pair = fast_forward_pair(self, runner_uuid(runner_id), lease_uuid(runner_id))
-        if pair is not None:
-            runner, lease = pair
-        else:
-            runner = self._load(runner_uuid(runner_id), Runner)
-            lease = self._load(lease_uuid(runner_id), RunnerLease)
-        if not isinstance(runner, Runner) or runner.deregistered:
-            raise HomeRunnerUnavailableError((), f"home runner {runner_id!r} is not registered")
-        if not isinstance(lease, RunnerLease):
-            raise RunnerNotFoundError(runner_id)
-        return runner, lease
 
     def schedule(self, request: ScheduleRequest) -> tuple[DurableAssignment, bool]:
         """Serialize one sandbox generation and reserve capacity on its home runner.

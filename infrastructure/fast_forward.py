@@ -1,58 +1,31 @@
-"""Bring two cached aggregates up to date with one query.
+"""Load many aggregates up to date with at most two queries.
 
-A placement reads its home runner and that runner's lease. With the aggregate cache on,
-the repository fast-forwards each with its own query (events after the cached
-version): two round trips. :func:`fast_forward_pair` asks for the new events of both
-streams in one query and applies them to the cached aggregates under the repository's
-own fast-forward locks, exactly as ``Repository.get`` does one at a time, then returns
-deep copies (commands never touch the cached instances).
-
-When either aggregate is not in the cache, or the store is neither SQLite nor
-PostgreSQL, it returns None and the caller loads both the usual way.
+A placement batch needs its sandboxes, then their home runners and leases. With the
+aggregate cache on, the repository brings each cached aggregate up to date with a query
+of its own (the events after the cached version), and reads an uncached one with two
+(its latest snapshot, then the events after it): round trips that would grow with the
+batch. :func:`load_many` asks for the new events of every cached aggregate in one query
+(under the repository's own fast-forward locks, taken in one order, applying them as
+``Repository.get`` does), and for the snapshots and later events of every uncached one
+in another, puts those in the cache as the repository does, and returns deep copies
+(commands never touch the cached instances). On the in-memory store it falls back to
+``repository.get`` for each.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from typing import Any
 from uuid import UUID
 
-from eventsourcing.application import Application, Repository
+from eventsourcing.application import AggregateNotFoundError, Application, Repository
 from eventsourcing.persistence import StoredEvent
 from eventsourcing.postgres import PostgresAggregateRecorder
 from eventsourcing.sqlite import SQLiteAggregateRecorder
 from psycopg.rows import tuple_row
 from psycopg.sql import SQL, Identifier
-
-
-def fast_forward_pair(app: Application[UUID], first: UUID, second: UUID) -> tuple[Any, Any] | None:
-    """Deep copies of the two cached aggregates, brought up to date with one query;
-    None when either is not cached or the store has no such query here."""
-    repository = app.repository
-    cache = repository.cache
-    if cache is None or not repository.fastforward:
-        return None
-    recorder = app.recorder
-    if not isinstance(recorder, PostgresAggregateRecorder | SQLiteAggregateRecorder):
-        return None
-    with ExitStack() as stack:
-        for aggregate_id in (first, second):
-            stack.enter_context(_fast_forward_lock(repository, aggregate_id))
-        try:
-            cached = (cache.get(first), cache.get(second))
-        except KeyError:
-            return None
-        stored = _select_after(recorder, ((first, cached[0].version), (second, cached[1].version)))
-        by_id: dict[Any, Any] = {first: cached[0], second: cached[1]}
-        for event in stored:
-            aggregate = by_id[event.originator_id]
-            domain_event: Any = app.mapper.to_domain_event(event)
-            by_id[event.originator_id] = domain_event.mutate(aggregate)
-        if by_id[first] is not cached[0] or by_id[second] is not cached[1]:
-            return None  # a mutator returned another object: let the repository handle it
-        return copy.deepcopy(by_id[first]), copy.deepcopy(by_id[second])
 
 
 class _fast_forward_lock:
@@ -77,26 +50,28 @@ def _select_after(
 ) -> list[StoredEvent]:
     """Stored events after the given version of each stream, each stream in order."""
     if isinstance(recorder, PostgresAggregateRecorder):
+        values = SQL(", ").join(SQL("(%s::uuid, %s::bigint)") for _ in streams)
         statement = SQL(
-            "SELECT originator_id, originator_version, topic, state FROM {}.{} WHERE "
-            "(originator_id = %s AND originator_version > %s) OR "
-            "(originator_id = %s AND originator_version > %s) "
-            "ORDER BY originator_id, originator_version"
-        ).format(Identifier(recorder.datastore.schema), Identifier(recorder.events_table_name))
+            "SELECT e.originator_id, e.originator_version, e.topic, e.state FROM {}.{} e "
+            "JOIN (VALUES {}) AS v(id, version) ON e.originator_id = v.id "
+            "AND e.originator_version > v.version ORDER BY e.originator_id, e.originator_version"
+        ).format(
+            Identifier(recorder.datastore.schema), Identifier(recorder.events_table_name), values
+        )
         params: list[Any] = [value for stream in streams for value in stream]
         with (
             recorder.datastore.get_connection() as connection,
             connection.cursor(row_factory=tuple_row, binary=True) as cursor,
         ):
-            cursor.execute(statement, params, prepare=True)
+            cursor.execute(statement, params, prepare=len(streams) <= 2)
             rows = cursor.fetchall()
         return [StoredEvent(row[0], row[1], row[2], row[3]) for row in rows]
+    values_text = ", ".join("(?, ?)" for _ in streams)
     statement_text = (
-        "SELECT originator_id, originator_version, topic, state FROM "
-        f"{recorder.events_table_name} WHERE "
-        "(originator_id = ? AND originator_version > ?) OR "
-        "(originator_id = ? AND originator_version > ?) "
-        "ORDER BY originator_id, originator_version"
+        "WITH v(id, version) AS (VALUES " + values_text + ") "
+        "SELECT e.originator_id, e.originator_version, e.topic, e.state FROM "
+        f"{recorder.events_table_name} e JOIN v ON e.originator_id = v.id "
+        "AND e.originator_version > v.version ORDER BY e.originator_id, e.originator_version"
     )
     params = [value for uuid, version in streams for value in (uuid.hex, version)]
     with recorder.datastore.transaction(commit=False) as cursor:
@@ -105,59 +80,136 @@ def _select_after(
     return [StoredEvent(UUID(row[0]), row[1], row[2], row[3]) for row in rows]
 
 
-def load_uncached(app: Application[UUID], aggregate_id: UUID) -> Any | None:
-    """A deep copy of an aggregate that is not in the cache, reconstructed from its
-    latest snapshot and the events after it read with one query (the repository reads
-    the snapshot, then the events: two), and put in the cache as the repository does.
-    None when the aggregate is cached (the repository fast-forwards it with one query),
-    does not exist, or the store has no such query here."""
-    repository = app.repository
+def load_many(app: Application[UUID], aggregate_ids: Sequence[UUID]) -> dict[UUID, Any]:
+    """Deep copies of many aggregates, each up to date, with at most two queries for all:
+    the cached ones fast-forwarded (the events after each cached version) and the others
+    read from their latest snapshot and the events after it, then cached as the
+    repository caches them. An aggregate that does not exist is absent. A placement
+    batch reads its sandboxes, then their runners and leases, this way: two round trips
+    however many requests it holds. Without such queries (the in-memory store), one
+    ``repository.get`` each."""
+    repository, recorder = app.repository, app.recorder
+    ids = sorted(set(aggregate_ids), key=lambda u: u.bytes)
     cache = repository.cache
     snapshots = app.snapshots
-    if cache is None or snapshots is None:
-        return None
-    recorder = app.recorder
-    if not isinstance(recorder, PostgresAggregateRecorder) or not isinstance(
-        snapshots.recorder, PostgresAggregateRecorder
+    if (
+        cache is None
+        or not repository.fastforward
+        or not isinstance(recorder, PostgresAggregateRecorder | SQLiteAggregateRecorder)
+        or snapshots is None
+        or isinstance(recorder, PostgresAggregateRecorder)
+        != isinstance(snapshots.recorder, PostgresAggregateRecorder)
+        or not isinstance(snapshots.recorder, PostgresAggregateRecorder | SQLiteAggregateRecorder)
     ):
-        return None
+        return _load_each(app, ids)
     try:
-        cache.get(aggregate_id)
-    except KeyError:
-        pass
-    else:
-        return None
-    stored = _select_snapshot_and_events(recorder, snapshots.recorder, aggregate_id)
-    aggregate: Any = None
-    for event in stored:
-        domain_event: Any = app.mapper.to_domain_event(event)
-        aggregate = domain_event.mutate(aggregate)
-    if aggregate is None:
-        return None
-    cache.put(aggregate_id, aggregate)
-    return copy.deepcopy(aggregate)
+        return _load_together(app, ids)
+    except _Unsupported:
+        return _load_each(app, ids)
 
 
-def _select_snapshot_and_events(
-    events: PostgresAggregateRecorder, snapshots: PostgresAggregateRecorder, aggregate_id: UUID
+class _Unsupported(Exception):
+    """The aggregates cannot be brought up to date in place: load them one by one."""
+
+
+def _load_together(app: Application[UUID], ids: list[UUID]) -> dict[UUID, Any]:
+    repository, recorder, snapshots = app.repository, app.recorder, app.snapshots
+    cache = repository.cache
+    assert cache is not None
+    assert snapshots is not None
+    assert isinstance(recorder, PostgresAggregateRecorder | SQLiteAggregateRecorder)
+    assert isinstance(snapshots.recorder, PostgresAggregateRecorder | SQLiteAggregateRecorder)
+    found: dict[UUID, Any] = {}
+    with ExitStack() as stack:
+        for aggregate_id in ids:  # in one order, as every batch takes them: no deadlock
+            stack.enter_context(_fast_forward_lock(repository, aggregate_id))
+        cached: dict[UUID, Any] = {}
+        for aggregate_id in ids:
+            with suppress(KeyError):
+                cached[aggregate_id] = cache.get(aggregate_id)
+        if cached:
+            after = [
+                (aggregate_id, aggregate.version) for aggregate_id, aggregate in cached.items()
+            ]
+            for event in _select_after(recorder, after):
+                domain_event: Any = app.mapper.to_domain_event(event)
+                aggregate = cached[domain_event.originator_id]
+                if domain_event.mutate(aggregate) is not aggregate:
+                    # a mutator that returns another object (never ours): drop the cached
+                    # instance, which the repository will read afresh
+                    cache.get(domain_event.originator_id, evict=True)
+                    raise _Unsupported
+            found.update(cached)
+        missing = [aggregate_id for aggregate_id in ids if aggregate_id not in cached]
+        if missing:
+            loaded: dict[UUID, Any] = {}
+            for event in _select_snapshots_and_events(recorder, snapshots.recorder, missing):
+                domain_event = app.mapper.to_domain_event(event)
+                stream = domain_event.originator_id
+                loaded[stream] = domain_event.mutate(loaded.get(stream))
+            for aggregate_id, aggregate in loaded.items():
+                if aggregate is not None:
+                    cache.put(aggregate_id, aggregate)
+                    found[aggregate_id] = aggregate
+        return {aggregate_id: copy.deepcopy(aggregate) for aggregate_id, aggregate in found.items()}
+
+
+def _load_each(app: Application[UUID], ids: Sequence[UUID]) -> dict[UUID, Any]:
+    found: dict[UUID, Any] = {}
+    for aggregate_id in ids:
+        try:
+            found[aggregate_id] = app.repository.get(aggregate_id)
+        except AggregateNotFoundError:
+            continue
+    return found
+
+
+def _select_snapshots_and_events(
+    events: PostgresAggregateRecorder | SQLiteAggregateRecorder,
+    snapshots: PostgresAggregateRecorder | SQLiteAggregateRecorder,
+    aggregate_ids: Sequence[UUID],
 ) -> list[StoredEvent]:
-    statement = SQL(
-        "WITH snapshot AS (SELECT originator_version, topic, state FROM {schema}.{snapshots} "
-        "WHERE originator_id = %s ORDER BY originator_version DESC LIMIT 1) "
-        "SELECT 0 AS part, originator_version, topic, state FROM snapshot "
-        "UNION ALL SELECT 1, originator_version, topic, state FROM {schema}.{events} "
-        "WHERE originator_id = %s AND originator_version > "
-        "COALESCE((SELECT originator_version FROM snapshot), 0) "
-        "ORDER BY part, originator_version"
-    ).format(
-        schema=Identifier(events.datastore.schema),
-        snapshots=Identifier(snapshots.events_table_name),
-        events=Identifier(events.events_table_name),
+    """For each stream: its latest snapshot (if any), then its events after it; streams
+    one after another, each in order."""
+    if isinstance(events, PostgresAggregateRecorder):
+        assert isinstance(snapshots, PostgresAggregateRecorder)
+        statement = SQL(
+            "WITH snap AS (SELECT DISTINCT ON (originator_id) originator_id, "
+            "originator_version, topic, state FROM {schema}.{snapshots} "
+            "WHERE originator_id = ANY(%s) ORDER BY originator_id, originator_version DESC) "
+            "SELECT originator_id, 0 AS part, originator_version, topic, state FROM snap "
+            "UNION ALL SELECT e.originator_id, 1, e.originator_version, e.topic, e.state "
+            "FROM {schema}.{events} e LEFT JOIN snap s ON s.originator_id = e.originator_id "
+            "WHERE e.originator_id = ANY(%s) "
+            "AND e.originator_version > COALESCE(s.originator_version, 0) "
+            "ORDER BY originator_id, part, originator_version"
+        ).format(
+            schema=Identifier(events.datastore.schema),
+            snapshots=Identifier(snapshots.events_table_name),
+            events=Identifier(events.events_table_name),
+        )
+        with (
+            events.datastore.get_connection() as connection,
+            connection.cursor(row_factory=tuple_row, binary=True) as cursor,
+        ):
+            cursor.execute(statement, (list(aggregate_ids), list(aggregate_ids)))
+            rows = cursor.fetchall()
+        return [StoredEvent(row[0], row[2], row[3], row[4]) for row in rows]
+    marks = ",".join("?" for _ in aggregate_ids)
+    hexes = [aggregate_id.hex for aggregate_id in aggregate_ids]
+    statement_text = (
+        "WITH snap AS (SELECT originator_id, MAX(originator_version) AS v FROM "
+        f"{snapshots.events_table_name} WHERE originator_id IN ({marks}) "
+        "GROUP BY originator_id) "
+        "SELECT s.originator_id, 0 AS part, s.originator_version, s.topic, s.state FROM "
+        f"{snapshots.events_table_name} s JOIN snap ON snap.originator_id = s.originator_id "
+        "AND snap.v = s.originator_version "
+        "UNION ALL SELECT e.originator_id, 1, e.originator_version, e.topic, e.state FROM "
+        f"{events.events_table_name} e LEFT JOIN snap ON snap.originator_id = e.originator_id "
+        f"WHERE e.originator_id IN ({marks}) AND e.originator_version > COALESCE(snap.v, 0) "
+        "ORDER BY 1, 2, 3"
     )
-    with (
-        events.datastore.get_connection() as connection,
-        connection.cursor(row_factory=tuple_row, binary=True) as cursor,
-    ):
-        cursor.execute(statement, (aggregate_id, aggregate_id), prepare=True)
+    with events.datastore.transaction(commit=False) as cursor:
+        cursor.execute(statement_text, [*hexes, *hexes])
         rows = cursor.fetchall()
-    return [StoredEvent(aggregate_id, row[1], row[2], row[3]) for row in rows]
+    return [StoredEvent(UUID(row[0]), row[2], row[3], row[4]) for row in rows]

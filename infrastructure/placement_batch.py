@@ -28,19 +28,22 @@ from eventsourcing.persistence import IntegrityError
 
 from secondbox_scheduler.domain.assignment import to_durable_assignment
 from secondbox_scheduler.domain.errors import (
+    HomeRunnerUnavailableError,
     InvalidRequestError,
     PlacementError,
     ProfileRevisionMismatchError,
+    RunnerNotFoundError,
     SchedulerError,
     SerializationContentionError,
 )
 from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
-from secondbox_scheduler.domain.ids import runner_uuid, sandbox_uuid
+from secondbox_scheduler.domain.ids import lease_uuid, runner_uuid, sandbox_uuid
 from secondbox_scheduler.domain.lease import RunnerLease
 from secondbox_scheduler.domain.refusals import OPERATION_SCHEDULE
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.sandbox import TOKEN_REUSED, Sandbox
 from secondbox_scheduler.domain.values import DurableAssignment, ScheduleRequest
+from secondbox_scheduler.infrastructure.fast_forward import load_many
 
 if TYPE_CHECKING:
     from secondbox_scheduler.infrastructure.application import SchedulerApplication
@@ -105,27 +108,55 @@ class PlacementBatch:
     # -- deciding ---------------------------------------------------------------
 
     def _decide(self, pending: list[tuple[int, ScheduleRequest, int]]) -> list[_Decision]:
-        """Decide each request in order against the state the earlier ones left."""
-        sandboxes: dict[str, Sandbox | None] = {}
-        runners: dict[str, tuple[Runner, RunnerLease] | SchedulerError] = {}
+        """Decide each request in order against the state the earlier ones left. The
+        batch's sandboxes are read with one load, then their home runners and leases
+        with another (:func:`~.fast_forward.load_many`)."""
+        sandboxes = self._sandboxes({request.sandbox_id for _, request, _ in pending})
+        homes = {s.home_runner_id for s in sandboxes.values() if s is not None and s.home_runner_id}
+        runners = self._runners(homes)
         clock = self.app.now()
         decisions = []
         for index, request, attempt in pending:
             decision = _Decision(index, request, attempt=attempt)
             decisions.append(decision)
-            sandbox_id = request.sandbox_id
-            decision.read.add(sandbox_uuid(sandbox_id))
-            if sandbox_id not in sandboxes:
-                sandboxes[sandbox_id] = self.app._load_one_query(sandbox_uuid(sandbox_id), Sandbox)
-            sandbox = sandboxes[sandbox_id]
+            decision.read.add(sandbox_uuid(request.sandbox_id))
             try:
-                decision.outcome = self._decide_one(decision, sandbox, runners, clock)
+                decision.outcome = self._decide_one(
+                    decision, sandboxes[request.sandbox_id], runners, clock
+                )
             except PlacementError as error:
                 decision.outcome = error
                 decision.refusal = error
             except SchedulerError as error:
                 decision.outcome = error
         return decisions
+
+    def _sandboxes(self, sandbox_ids: set[str]) -> dict[str, Sandbox | None]:
+        loaded = load_many(self.app, [sandbox_uuid(s) for s in sandbox_ids])
+        found = {s: loaded.get(sandbox_uuid(s)) for s in sandbox_ids}
+        return {
+            s: sandbox if isinstance(sandbox, Sandbox) else None for s, sandbox in found.items()
+        }
+
+    def _runners(
+        self, runner_ids: set[str]
+    ) -> dict[str, tuple[Runner, RunnerLease] | SchedulerError]:
+        """Each home runner with its lease (copies to command), or why it is unavailable."""
+        loaded = load_many(
+            self.app, [stream for r in runner_ids for stream in (runner_uuid(r), lease_uuid(r))]
+        )
+        found: dict[str, tuple[Runner, RunnerLease] | SchedulerError] = {}
+        for runner_id in runner_ids:
+            runner, lease = loaded.get(runner_uuid(runner_id)), loaded.get(lease_uuid(runner_id))
+            if not isinstance(runner, Runner) or runner.deregistered:
+                found[runner_id] = HomeRunnerUnavailableError(
+                    (), f"home runner {runner_id!r} is not registered"
+                )
+            elif not isinstance(lease, RunnerLease):
+                found[runner_id] = RunnerNotFoundError(runner_id)
+            else:
+                found[runner_id] = (runner, lease)
+        return found
 
     def _decide_one(
         self,
@@ -145,11 +176,6 @@ class PlacementBatch:
             return to_durable_assignment(existing), False
         home = sandbox.home_runner_id
         decision.read.add(runner_uuid(home))
-        if home not in runners:
-            try:
-                runners[home] = self.app._runner_and_lease(home)
-            except SchedulerError as error:
-                runners[home] = error
         loaded = runners[home]
         if isinstance(loaded, SchedulerError):
             raise loaded
@@ -201,6 +227,8 @@ class PlacementBatch:
                 return retry
             except IntegrityError:
                 changed = self._changed_streams(placing)
+                if not changed:  # the store refused for a reason no stream shows: retry all
+                    changed = {e.originator_id for d in placing for e in d.events}
                 affected = _dependents(decisions, changed)
                 reused = {d.index for d in placing if self._reused_token(d, changed)}
                 retry |= affected - reused

@@ -28,11 +28,12 @@ from secondbox_scheduler.domain.errors import (
     InvalidTransitionError,
 )
 from secondbox_scheduler.infrastructure import SchedulerApplication
+from secondbox_scheduler.infrastructure.placement_batch import PlacementBatch
 from tests.conftest import Clock, Store
 from tests.factories import capacity, create_sandbox, register, schedule_request
 
 
-def interleave(app: SchedulerApplication, name: str, rival: Callable[[], object]) -> None:
+def interleave(app: object, name: str, rival: Callable[[], object]) -> None:
     """Run ``rival`` once, just before ``app`` next loads a runner (the second read of a
     two-aggregate command): ``app`` then holds the sandbox from before the rival's
     commit and the runner from after it."""
@@ -49,17 +50,21 @@ def interleave(app: SchedulerApplication, name: str, rival: Callable[[], object]
 
 
 def test_a_schedule_that_lost_to_a_rival_answers_with_the_rivals_assignment(
-    store: Store, clock: Clock
+    store: Store, clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     app, rival = store.open(), store.open()
     register(app, "hot", at=clock())
     create_sandbox(app, "s1")
     app.get_assignment("s1")  # cached in app before the rival commits
     theirs: list[Any] = []
+    batch = PlacementBatch(app)  # a placement loads its sandboxes, then their runners
     interleave(
-        app,
-        "_runner_and_lease",
+        batch,
+        "_runners",
         lambda: theirs.append(rival.schedule(schedule_request("s1", clock()))[0]),
+    )
+    monkeypatch.setattr(
+        "secondbox_scheduler.infrastructure.application.PlacementBatch", lambda _: batch
     )
     assignment, created = app.schedule(schedule_request("s1", clock()))
     assert not created

@@ -229,17 +229,6 @@ def _run_schedule(
     app = state.app(SchedulerApplication, job.env)
     assert isinstance(app, SchedulerApplication)
     requirements = bench_requirements(job.pool_name)
-    now = datetime.now(UTC)
-    requests = [
-        schedule_request(
-            sandbox_id,
-            requirements,
-            now,
-            seed=job.seed,
-            serialization_retry_limit=job.serialization_retry_limit,
-        )
-        for sandbox_id in job.sandbox_ids
-    ]
     for runner_id in job.warm_runner_ids:  # a long-running replica has its runners cached
         app.repository.get(runner_uuid(runner_id))
         app.repository.get(lease_uuid(runner_id))
@@ -250,7 +239,7 @@ def _run_schedule(
     outcomes: Counter[str] = Counter()
     latencies: list[float] = []
     lock = threading.Lock()
-    remaining = deque(requests)
+    remaining = deque(job.sandbox_ids)
     barrier.wait(BARRIER_TIMEOUT)
     cpu_before = machine_cpu_seconds()
     started = time.perf_counter()
@@ -262,7 +251,12 @@ def _run_schedule(
             with lock:
                 if not remaining or time.perf_counter() >= deadline:
                     return
-                request = remaining.popleft()
+                sandbox_id = remaining.popleft()
+            # built when sent, as a client does: its times are checked against the clock
+            request = schedule_request(
+                sandbox_id, requirements, datetime.now(UTC), seed=job.seed,
+                serialization_retry_limit=job.serialization_retry_limit,
+            )  # fmt: skip
             before = time.perf_counter()
             try:
                 _, created = app.schedule(request)
