@@ -30,6 +30,9 @@ GOALS = {
     "audit_replay",
     "projection_rebuild",
     "whatif_replay",
+    "batched_placement",
+    "batched_contention_goodput",
+    "versus_row_lock",
 }
 GOAL_FIELDS = {"target", "value", "met", "detail"}
 
@@ -135,7 +138,17 @@ def test_quick_bench_on_sqlite_reports_every_section_and_goal(quick: QuickRun) -
     assert whatif["ratio_to_audit_verify"] is not None
     assert 0 <= whatif["reproduced"] <= whatif["decisions"] > 0
 
-    assert_goals(report, measured=GOALS)
+    batched = report["batched"]
+    assert_throughput(batched, "placed")
+    assert batched["batches"] >= 1
+    assert 1 <= batched["batch_size_mean"] <= batched["batch_size_max"] <= 64
+    assert report["raw_baseline"]["batched_aggregates"]["aggregates_per_transaction"] == 32
+    contended = report["contention_batched"]
+    assert contended["hot_runner_state"]["oversubscribed_runners"] == 0
+    assert contended["hot_runner_state"]["reservations_match_placements"]
+    assert report["row_lock"] == {"skipped": "the row-lock peer runs on PostgreSQL only"}
+
+    assert_goals(report, measured=GOALS - {"versus_row_lock"})
     assert not database.exists(), "the benchmark removes its database unless --keep"
 
 
@@ -148,7 +161,7 @@ def test_quick_bench_on_postgres_works_in_a_schema_it_drops(
         "--database-url",
         postgres_server.url(),
         "--only",
-        "raw,placement,contention",
+        "raw,placement,contention,batched,row_lock",
         "--workers",
         "2",
         "--runners",
@@ -162,7 +175,17 @@ def test_quick_bench_on_postgres_works_in_a_schema_it_drops(
     assert_throughput(report["placement"], "placed")
     assert report["contention"]["hot_runner_state"]["oversubscribed_runners"] == 0
     assert not {"selection", "history", "replay"} & report.keys()
-    assert_goals(report, measured={"placement_throughput", "contention_goodput"})
+    row_lock = report["row_lock"]
+    assert_throughput(row_lock, "placed")
+    assert row_lock["outcomes"].keys() <= {"placed", "contention_error"}
+    assert report["contention_batched"]["hot_runner_state"]["oversubscribed_runners"] == 0
+    assert_goals(
+        report,
+        measured={
+            "placement_throughput", "contention_goodput", "batched_placement",
+            "batched_contention_goodput", "versus_row_lock",
+        },
+    )  # fmt: skip
     with psycopg.connect(postgres_server.conninfo()) as conn:
         found = conn.execute(
             "SELECT 1 FROM information_schema.schemata WHERE schema_name = %s", [schema]

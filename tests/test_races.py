@@ -131,6 +131,7 @@ def test_replicas_racing_one_hot_runner_only_ever_get_documented_outcomes(
             thread.start()
         for thread in threads:
             thread.join()
+        print(f"\n180 operations by 3 replicas on one hot runner: {dict(sorted(outcomes.items()))}")
         assert internal == []
         assert sum(outcomes.values()) == 180
         assert outcomes["schedule: placed"] > 0
