@@ -6,6 +6,7 @@ typed error and records nothing: same version, no pending event."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -338,7 +339,7 @@ def test_a_deregistered_runner_refuses_every_command(command: str) -> None:
         runner.start_drain(LATER)
     runner.deregister(LATER)
     before = unchanged(runner)
-    calls = {
+    calls: dict[str, Callable[[], object]] = {
         "start_drain": lambda: runner.start_drain(LATER),
         "cancel_drain": lambda: runner.cancel_drain(LATER),
         "change_allocatable": lambda: runner.change_allocatable(slots(5), LATER),

@@ -263,7 +263,7 @@ def commands(found: Placed, generation: int, token: bytes) -> dict[str, Callable
     }
 
 
-GENERATION_COMMANDS = {
+GENERATION_COMMANDS: dict[str, Callable[[Sandbox, int], object]] = {
     "claim_reconcile": lambda s, g: s.claim_reconcile(g, "rec", LATER + MINUTE, LATER),
     "release_reconcile_claim": lambda s, g: s.release_reconcile_claim(g, "rec", LATER),
     "reconcile": lambda s, g: s.reconcile(g, "rec", ACTION_NONE, "", None, LATER),
@@ -318,12 +318,13 @@ def test_a_generation_not_yet_scheduled_has_no_assignment() -> None:
     found.release()
     found.advance()
     found.sandbox.collect_events()
-    for call in [
+    calls: list[Callable[[], object]] = [
         lambda: found.sandbox.mark_running(2, found.tokens[1], LATER),
         lambda: found.sandbox.release(2, found.tokens[1], PROOF, LATER),
         lambda: found.sandbox.claim_reconcile(2, "rec", LATER + MINUTE, LATER),
         lambda: found.sandbox.advance_generation(2, LATER),
-    ]:
+    ]
+    for call in calls:
         with pytest.raises(AssignmentNotFoundError):
             call()
     assert found.sandbox.pending_events == []
