@@ -43,6 +43,7 @@ from tests.factories import (
 )
 
 PROOF = {"stopped": "yes"}
+MINUTE = timedelta(minutes=1)
 REQUESTED = requirements().capacity.as_dict()
 STATES_BUT_RELEASED = ("assigned", "running", "failed", "uncertain")
 
@@ -227,9 +228,6 @@ def test_stale_generations_and_tokens_of_every_earlier_generation_are_refused(
     assert current is not None
     assert (current.generation, current.state, current.fencing_token) == (3, "assigned", tokens[3])
     assert app.get_runner("r1").reserved.as_dict() == REQUESTED
-
-
-MINUTE = timedelta(minutes=1)
 
 
 def test_a_token_of_any_earlier_generation_is_refused_for_a_new_generation(
