@@ -684,3 +684,18 @@ def test_a_fold_reports_each_events_violations_as_it_applies_it() -> None:
         found = audit.apply(index, event)
         assert bool(found) == (index == position)
     assert audit.position == position
+
+
+def test_a_copy_of_a_fold_folds_on_without_touching_the_original() -> None:
+    """The adversarial verify forges events on copies of the final fold."""
+    w = world()
+    audit = w.log.fold()
+    scratch = copy.deepcopy(audit)
+    drained = Runner.DrainStarted(
+        originator_id=w.runner.id, originator_version=w.log.version(w.runner.id) + 1,
+        timestamp=LATER,
+    )  # fmt: skip
+    assert scratch.apply(audit.position + 1, drained) == []
+    assert scratch.runner_snapshots()[0].drain_phase == "draining"
+    assert audit.runner_snapshots()[0].drain_phase == "active"
+    assert audit.position == len(w.log.events)
