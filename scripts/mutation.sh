@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Mutation score of the modules that hold the invariants and the placement policy
-# (docs/verification.md, section 6), with mutmut, on a fresh clone of the committed HEAD.
+# (docs/verification.md, section 5), with mutmut, on a fresh clone of the committed HEAD.
 #
 #   scripts/mutation.sh                 # every mutant of the modules below
 #   MUTATION_WORKDIR=/tmp/m scripts/mutation.sh   # keep the clone, venv and results there
