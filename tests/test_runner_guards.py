@@ -348,3 +348,24 @@ def test_a_deregistered_runner_refuses_every_command(command: str) -> None:
     with pytest.raises(RunnerUnavailableError, match="deregistered"):
         calls[command]()
     assert unchanged(runner) == before
+
+
+def test_every_event_carries_the_time_of_its_command() -> None:
+    runner = new_runner()
+    registered = runner.collect_events()
+    assert [e.timestamp for e in registered] == [T0]
+    times = iter(T0 + timedelta(seconds=n) for n in range(1, 10))
+    reserve(runner, "s1")
+    runner.release(sandbox_id="s1", generation=1, release_proof=PROOF, at=next(times))
+    runner.start_drain(next(times))
+    runner.cancel_drain(next(times))
+    runner.change_allocatable(slots(5), next(times))
+    runner.deregister(next(times))
+    events = runner.collect_events()
+    assert [type(e).__name__ for e in events] == [
+        "CapacityReserved", "CapacityReleased", "DrainStarted", "DrainCancelled",
+        "AllocatableChanged", "Deregistered",
+    ]  # fmt: skip
+    assert [e.timestamp for e in events] == [LATER] + [
+        T0 + timedelta(seconds=n) for n in range(1, 6)
+    ]

@@ -557,3 +557,79 @@ def test_a_reconcile_that_changes_nothing_records_nothing() -> None:
     (scheduled,) = sandbox.collect_events()
     assert isinstance(scheduled, Sandbox.ReconcileScheduled)
     assert scheduled.next_reconcile_at == LATER + MINUTE
+
+
+def test_reconcile_records_who_decided_what_and_when() -> None:
+    found = placed()
+    sandbox = found.sandbox
+    late = LATER + timedelta(minutes=11)
+    sandbox.claim_reconcile(1, "rec", late + MINUTE, late)
+    sandbox.collect_events()
+    sandbox.reconcile(1, "rec", ACTION_DEADLINE_EXCEEDED, "late", late + MINUTE, late)
+    failed, scheduled = sandbox.collect_events()
+    assert isinstance(failed, Sandbox.AssignmentFailed)
+    assert (failed.timestamp, failed.failure_class, failed.state) == (
+        late, "deadline_exceeded", "assigned",
+    )  # fmt: skip
+    assert isinstance(scheduled, Sandbox.ReconcileScheduled)
+    assert (scheduled.timestamp, scheduled.owner, scheduled.generation) == (late, "rec", 1)
+    assert scheduled.operation_deadline == late + timedelta(minutes=10)
+    sandbox.reconcile(1, "rec", ACTION_UNCERTAIN, "silent runner", None, late)
+    uncertain, rescheduled = sandbox.collect_events()
+    assert isinstance(uncertain, Sandbox.AssignmentUncertain)
+    assert (uncertain.timestamp, uncertain.owner, uncertain.reason) == (
+        late,
+        "rec",
+        "silent runner",
+    )
+    assert isinstance(rescheduled, Sandbox.ReconcileScheduled)
+    assert (rescheduled.timestamp, rescheduled.owner, rescheduled.next_reconcile_at) == (
+        late, "rec", None,
+    )  # fmt: skip
+
+
+def test_a_terminal_deadline_failure_keeps_the_operation_deadline() -> None:
+    found = placed()  # retry_limit 1
+    sandbox = found.sandbox
+    first, second = LATER + timedelta(minutes=11), LATER + timedelta(minutes=25)
+    sandbox.claim_reconcile(1, "rec", second + MINUTE, first)
+    sandbox.reconcile(1, "rec", ACTION_DEADLINE_EXCEEDED, "late", None, first)
+    redelivered = sandbox.assignment()
+    assert redelivered is not None
+    assert redelivered["operation_deadline"] == first + timedelta(minutes=10)
+    sandbox.reconcile(1, "rec", ACTION_DEADLINE_EXCEEDED, "late", None, second)
+    record = sandbox.assignment()
+    assert record is not None
+    assert record["state"] == "failed"
+    assert record["operation_deadline"] == first + timedelta(minutes=10), "no new window"
+
+
+def test_reconcile_refusals_say_why() -> None:
+    found = in_state("running")
+    sandbox = found.sandbox
+    sandbox.claim_reconcile(1, "rec", LATER + MINUTE, LATER)
+    record = sandbox.assignment()
+    assert record is not None
+    with pytest.raises(InvalidTransitionError) as deadline:
+        sandbox.reconcile(1, "rec", ACTION_DEADLINE_EXCEEDED, "", None, LATER)
+    assert str(deadline.value) == f"assignment {record['id']!r} is running, not assigned"
+    with pytest.raises(InvalidRequestError) as unknown:
+        sandbox.reconcile(1, "rec", "relocate", "", None, LATER)
+    assert (unknown.value.rule, unknown.value.value) == (
+        "must be one of ['none', 'deadline_exceeded', 'uncertain']", "relocate",
+    )  # fmt: skip
+    released = in_state("released")
+    released.sandbox.claim_reconcile(1, "rec", LATER + MINUTE, LATER)
+    gone = released.sandbox.assignment()
+    assert gone is not None
+    with pytest.raises(InvalidTransitionError) as uncertain:
+        released.sandbox.reconcile(1, "rec", ACTION_UNCERTAIN, "", None, LATER)
+    assert str(uncertain.value) == (
+        f"assignment {gone['id']!r} is released and cannot become uncertain"
+    )
+    with pytest.raises(ReconcileClaimError) as unclaimed:
+        placed().sandbox.reconcile(1, "rec", ACTION_NONE, "", None, LATER)
+    assert str(unclaimed.value).endswith("(held by 'nobody' until -)")
+    with pytest.raises(ReconcileClaimError) as expired:
+        sandbox.reconcile(1, "rec", ACTION_NONE, "", None, LATER + MINUTE)
+    assert str(expired.value).endswith(f"(held by 'rec' until {(LATER + MINUTE).isoformat()})")
