@@ -699,3 +699,161 @@ def test_a_copy_of_a_fold_folds_on_without_touching_the_original() -> None:
     assert scratch.runner_snapshots()[0].drain_phase == "draining"
     assert audit.runner_snapshots()[0].drain_phase == "active"
     assert audit.position == len(w.log.events)
+
+
+# -- what an operator reads: the exact violation, for each message of the fold -------------
+
+
+def reported(log: EventLog, position: int) -> list[tuple[str, str, str]]:
+    """(aggregate, rule, detail) of every violation at ``position``."""
+    return [(v.aggregate, v.rule, v.detail) for v in log.violations() if v.position == position]
+
+
+def test_the_exact_report_of_each_runner_breach() -> None:
+    w = world(room=2)
+    r1 = "Runner r1"
+    position = w.forge_reserved(capacity=one("operations", 8))
+    assert reported(w.log, position) == [
+        (r1, "invariant-2", "reservation 's2#1' on 'r1' matches no assignment fenced in the "
+                            "same transaction"),
+        (r1, "invariant-1", "runner 'r1' reserved operations 15 > allocatable 14"),
+    ]  # fmt: skip
+    w.log.events.pop()
+    position = w.forge_reserved(sandbox_id="s1")
+    assert ("Runner r1", "invariant-3", "second reservation 's1#1'") in reported(w.log, position)
+    w.log.events.pop()
+    position = w.log.forge(Runner.Deregistered, w.runner.id)
+    assert reported(w.log, position) == [
+        (r1, "invariant-2", "runner 'r1' deregistered while reserved")
+    ]
+    position = w.forge_reserved(sandbox_id="s3")
+    assert (r1, "invariant-5", "reservation on deregistered runner 'r1'") in reported(
+        w.log, position
+    )
+
+
+def test_the_exact_report_of_each_release_breach() -> None:
+    w = world()
+    r1, s1 = "Runner r1", "Sandbox s1"
+    position = w.forge_released(proof={})
+    assert reported(w.log, position) == [
+        (r1, "invariant-6", "capacity of 's1#1' released without proof"),
+        (r1, "invariant-6", "capacity of 's1#1' released without the assignment's release"),
+        (r1, "invariant-2", "runner 'r1' reserved {'vcpu_count': 0, 'memory_bytes': 0, "
+                            "'disk_bytes': 0, 'instances': 0, 'operations': 0} but its "
+                            "unreleased assignments sum to {'vcpu_count': 2, 'memory_bytes': 3, "
+                            "'disk_bytes': 5, 'instances': 1, 'operations': 7}"),
+    ]  # fmt: skip
+    w.log.events.pop()
+    w.release("s1")
+    position = w.forge_released()
+    assert (r1, "invariant-6", "capacity of 's1#1' released but not held (twice?)") in reported(
+        w.log, position
+    )
+    assert (r1, "invariant-2", "runner 'r1' reserved vcpu_count < 0") in reported(w.log, position)
+    w.log.events.pop()
+    position = release_event(w, proof={})
+    assert reported(w.log, position) == [
+        (s1, "invariant-6", "generation 1 released twice"),
+        (s1, "invariant-6", "released without proof"),
+        # the end of the log: the release's capacity release never came
+        (s1, "invariant-2", f"release of s1#1 at #{position} has no matching runner event"),
+    ]
+    after = w.log.forge(Runner.DrainStarted, w.runner.id)
+    assert reported(w.log, after) == [
+        (r1, "invariant-2", f"release of s1#1 at #{position} has no matching runner event in "
+                            "the same transaction"),
+    ]  # fmt: skip
+    del w.log.events[-2:]
+    position = release_event(w, "s2")
+    assert reported(w.log, position) == [
+        ("Sandbox s2", "invariant-6", "release of generation 1 never fenced")
+    ]
+    w.log.events.pop()
+    position = w.log.forge(Sandbox.GenerationAdvanced, w.sandboxes["s2"].id, generation=2)
+    assert reported(w.log, position) == [
+        ("Sandbox s2", "invariant-6", "generation advanced before its assignment was released")
+    ]
+
+
+def test_the_exact_report_of_each_fence_breach() -> None:
+    w = world(room=3)
+    s2 = "Sandbox s2"
+    position = w.forge_fence(assignment={"generation": 2, "runner_id": "r9"})
+    assert reported(w.log, position) == [
+        (s2, "invariant-3", "assignment for generation 2 while current is 1"),
+        (s2, "invariant-4", "assignment on 'r9' but the home runner is 'r1'"),
+        (s2, "invariant-4", "runner 'r9' is not registered"),
+        (s2, "invariant-2", f"reserve of s2#2 at #{position} has no matching runner event"),
+    ]
+    w.log.events.pop()
+    capacity = slots(2).as_dict()
+    position = w.forge_fence(assignment={"capacity": capacity}, placement={"runner_version": 1})
+    assert reported(w.log, position) == [
+        (s2, "invariant-4", "reserved capacity differs from the pinned requirements"),
+        (s2, "invariant-4", f"evidence of runner version 1 but the runner was at "
+                            f"{w.runner.version}"),
+        (s2, "invariant-2", f"reserve of s2#1 at #{position} has no matching runner event"),
+    ]  # fmt: skip
+    w.log.events.pop()
+    stale = evidence(w, last_heartbeat_at=(T0 - timedelta(hours=1)).isoformat(), drain_phase="x")
+    position = w.forge_fence(placement={"runner": stale, "lease_version": 9})
+    decided = LATER - timedelta(seconds=30)
+    assert reported(w.log, position) == [
+        (s2, "invariant-4", "runner 'r1' was not compatible: drain phase is 'x', last heartbeat "
+                            f"{(T0 - timedelta(hours=1)).isoformat()} is before "
+                            f"{decided.isoformat()}"),
+        (s2, "invariant-4", "evidence drain_phase 'x' differs from the runner's 'active'"),
+        (s2, "invariant-4", "evidence of lease version 9 not yet recorded"),
+        (s2, "invariant-2", f"reserve of s2#1 at #{position} has no matching runner event"),
+    ]  # fmt: skip
+
+
+def test_the_exact_report_of_a_history_that_does_not_hang_together() -> None:
+    w = world()
+    stranger, ghost = new_runner("r9"), new_sandbox("s9", [w.runner.snapshot(w.lease)])
+    position = w.log.forge(Runner.DrainStarted, stranger.id)
+    assert reported(w.log, position) == [
+        (f"Runner {stranger.id}", "history", "event of a runner that was never registered")
+    ]
+    w.log.events.pop()
+    position = w.log.forge(Sandbox.GenerationAdvanced, ghost.id, generation=2)
+    assert reported(w.log, position) == [
+        (f"Sandbox {ghost.id}", "history", "event of a sandbox that was never created")
+    ]
+    w.log.events.pop()
+    position = w.log.forge(Sandbox.AssignmentRunning, w.sandboxes["s2"].id, generation=1)
+    assert reported(w.log, position) == [
+        ("Sandbox s2", "history", "AssignmentRunning of unfenced generation 1")
+    ]
+
+
+def test_a_violation_as_a_record_and_as_text() -> None:
+    w = world()
+    position = w.log.forge(Runner.Deregistered, w.runner.id)
+    (violation,) = w.log.violations()
+    assert violation.to_dict() == {
+        "position": position,
+        "aggregate": "Runner r1",
+        "event": "Runner.Deregistered",
+        "rule": "invariant-2",
+        "detail": "runner 'r1' deregistered while reserved",
+    }
+    assert str(violation) == (
+        f"#{position} Runner r1 Runner.Deregistered: invariant-2: "
+        "runner 'r1' deregistered while reserved"
+    )
+
+
+def test_an_empty_fold_is_at_position_zero() -> None:
+    audit = AuditFold()
+    assert (audit.position, audit.events, audit.finish()) == (0, 0, [])
+    assert audit.runner_snapshots() == []
+    assert audit.assignment_records() == []
+
+
+def test_the_folds_runner_snapshots_are_sorted_by_id() -> None:
+    log = EventLog()
+    for runner_id in ("rc", "ra", "rb"):
+        log.save(new_runner(runner_id), new_lease(runner_id))
+    assert [snapshot.id for snapshot in log.fold().runner_snapshots()] == ["ra", "rb", "rc"]
