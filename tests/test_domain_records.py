@@ -5,6 +5,7 @@ message, and the evidence a decision records. Operators read these (``audit expl
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -58,7 +59,7 @@ def test_every_sandbox_event_carries_the_time_of_its_command() -> None:
     sandbox.fail(1, token, "transport", times[3])
     sandbox.release(1, token, PROOF, times[4])
     sandbox.advance_generation(1, times[5])
-    events = sandbox.collect_events()
+    events: list[Any] = sandbox.collect_events()
     assert [type(e).__name__ for e in events] == [
         "AssignmentRunning", "ReconcileClaimed", "ReconcileClaimReleased", "AssignmentFailed",
         "AssignmentReleased", "GenerationAdvanced",
@@ -99,7 +100,7 @@ def test_the_claim_holder_renews_with_a_later_end() -> None:
     assert sandbox.claim_reconcile(1, "rec", LATER + MINUTE, LATER)
     sandbox.collect_events()
     assert sandbox.claim_reconcile(1, "rec", LATER + 2 * MINUTE, LATER)
-    (renewed,) = sandbox.collect_events()
+    renewed: Any = sandbox.collect_events()[0]
     assert renewed.until == LATER + 2 * MINUTE
     record = sandbox.assignment()
     assert record is not None
@@ -222,7 +223,7 @@ def test_the_home_decision_always_lists_the_chosen_runner() -> None:
     runners = [new_runner(f"r{n:02d}", allocatable=slots(1)) for n in range(10)]
     best = new_runner("r99", allocatable=slots(3))
     sandbox = new_sandbox("s1", [r.snapshot(lease) for r in runners] + [best.snapshot(lease)])
-    (created,) = sandbox.collect_events()
+    created: Any = sandbox.collect_events()[0]
     listed = [candidate["runner_id"] for candidate in created.home_decision["candidates"]]
     assert "r99" in listed
     assert created.home_decision["chosen_runner_id"] == "r99"
