@@ -59,7 +59,7 @@ def test_every_sandbox_event_carries_the_time_of_its_command() -> None:
     sandbox.fail(1, token, "transport", times[3])
     sandbox.release(1, token, PROOF, times[4])
     sandbox.advance_generation(1, times[5])
-    events: list[Any] = sandbox.collect_events()
+    events: list[Any] = list(sandbox.collect_events())
     assert [type(e).__name__ for e in events] == [
         "AssignmentRunning", "ReconcileClaimed", "ReconcileClaimReleased", "AssignmentFailed",
         "AssignmentReleased", "GenerationAdvanced",
