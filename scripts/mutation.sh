@@ -23,6 +23,7 @@ MODULES=(placement evidence runner sandbox lease audit_fold)
 # so the score is a lower bound of what the whole suite kills.
 TESTS=(
   tests/test_runner_guards.py tests/test_sandbox_guards.py tests/test_audit_fold.py
+  tests/test_domain_records.py tests/test_evidence.py
   tests/test_placement.py tests/test_application_guards.py tests/test_audit.py
   tests/test_lifecycle.py tests/test_schedule.py tests/test_runners.py tests/test_reconcile.py
 )

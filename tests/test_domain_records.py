@@ -10,9 +10,12 @@ from typing import Any
 import pytest
 
 from secondbox_scheduler.domain import (
+    EgressContextUnavailableError,
     HomeRunnerUnavailableError,
     InvalidRequestError,
+    NoCompatibleRunnerError,
     ProfileRevisionMismatchError,
+    select_runner,
 )
 from secondbox_scheduler.domain.errors import (
     AssignmentNotFoundError,
@@ -253,3 +256,34 @@ def test_a_fold_of_a_runner_without_a_lease_has_no_heartbeat() -> None:
     assert snapshot.last_heartbeat_at is None
     assert snapshot.artifact_digests == ()
     assert snapshot.materializations == ()
+
+
+def test_select_runner_keeps_every_evaluation_and_a_create_refusal_bounds_them() -> None:
+    lease = new_lease("r1")
+    drained = []
+    for n in range(12):
+        runner = new_runner(f"r{n:02d}")
+        runner.start_drain(T0)
+        drained.append(runner.snapshot(lease))
+    with pytest.raises(NoCompatibleRunnerError) as everything:
+        select_runner(requirements(), drained, T0, TIMEOUT)
+    assert len(everything.value.evaluations) == 12
+    assert not everything.value.unlisted
+    with pytest.raises(NoCompatibleRunnerError) as bounded:
+        new_sandbox("s1", drained)
+    assert len(bounded.value.evaluations) == 8
+    assert bounded.value.unlisted == Unlisted(refused=4, reasons={"draining": 4})
+    assert str(bounded.value).endswith(": 0/12 runners are available: 12 draining")
+
+
+def test_an_egress_refusal_keeps_its_detail_and_its_counts() -> None:
+    lease = new_lease("r1")
+    runners = [new_runner(f"r{n:02d}").snapshot(lease) for n in range(10)]
+    with pytest.raises(EgressContextUnavailableError) as home:
+        select_home_runner("r03", requirements(egress_context="private"), runners, T0, TIMEOUT)
+    assert str(home.value).startswith(
+        "SecondBox scheduler egress context unavailable: home runner 'r03': 0/1 runners"
+    )
+    with pytest.raises(EgressContextUnavailableError) as created:
+        new_sandbox("s1", runners, egress_context="private")
+    assert created.value.unlisted == Unlisted(refused=2, reasons={"egress": 2})
