@@ -857,3 +857,82 @@ def test_the_folds_runner_snapshots_are_sorted_by_id() -> None:
     for runner_id in ("rc", "ra", "rb"):
         log.save(new_runner(runner_id), new_lease(runner_id))
     assert [snapshot.id for snapshot in log.fold().runner_snapshots()] == ["ra", "rb", "rc"]
+
+
+def test_apply_returns_only_the_violations_of_the_event_it_applied() -> None:
+    w = world()
+    position = w.forge_reserved()
+    w.lease.observe(at=LATER, artifact_digests=["sha256:x"], materializations=[],
+                    renewal_interval=MINUTE, recorded_at=LATER)  # fmt: skip
+    w.log.save(w.lease)
+    audit = AuditFold()
+    found = [audit.apply(index, event) for index, event in enumerate(w.log.events, start=1)]
+    assert [index for index, new in enumerate(found, start=1) if new] == [position]
+
+
+def test_the_best_ranked_home_runner_is_no_breach_whatever_the_ids() -> None:
+    w = world()
+    candidates = copy.deepcopy(created_fields(w)["home_decision"]["candidates"])
+    worse = {**candidates[0], "runner_id": "r0"}  # a smaller id, but fewer free instances
+    worse["rank"] = {**worse["rank"], "free_instances": worse["rank"]["free_instances"] - 1}
+    forge_created(w, candidates=[*candidates, worse])
+    assert w.log.violations() == []
+    w.log.events.pop()
+    position = forge_created(w, chosen_runner_id="r0", candidates=[*candidates, worse])
+    assert reported(w.log, position) == [("Sandbox s3", "invariant-4", "home decision chose 'r0'")]
+
+
+def test_a_capacity_release_on_a_runner_that_never_held_anything() -> None:
+    w = world()
+    other, lease = new_runner("r2"), new_lease("r2")
+    w.log.save(other, lease)
+    w.log.forge(Sandbox.AssignmentReleased, w.sandboxes["s1"].id, generation=1,
+                release_proof=PROOF)  # fmt: skip
+    position = w.log.forge(
+        Runner.CapacityReleased, other.id, reservation="s1#1", assignment_id="a",
+        capacity=Capacity(instances=1).as_dict(), release_proof=PROOF,
+    )  # fmt: skip
+    zero = Capacity().as_dict()
+    assert ("Runner r2", "invariant-2", f"runner 'r2' reserved {dict(zero, instances=-1)} but "
+            f"its unreleased assignments sum to {zero}") in reported(w.log, position)  # fmt: skip
+
+
+def test_the_exact_report_of_a_reservation_on_a_draining_runner_and_of_another_amount() -> None:
+    w = world(room=3)
+    w.forge_fence()
+    position = w.forge_reserved(capacity=slots(1, operations=1))
+    wanted = dict(REQUEST.as_dict())
+    owed = {dim: 2 * amount for dim, amount in wanted.items()}
+    reserved = dict(owed, operations=owed["operations"] + 1)
+    assert reported(w.log, position) == [
+        ("Runner r1", "invariant-2", "reservation 's2#1' on 'r1' matches no assignment fenced "
+                                     "in the same transaction"),
+        ("Runner r1", "invariant-2", f"runner 'r1' reserved {reserved} but its unreleased "
+                                     f"assignments sum to {owed}"),
+    ]  # fmt: skip
+    del w.log.events[-2:]
+    w.runner.start_drain(LATER)
+    w.log.save(w.runner)
+    position = w.forge_reserved()
+    assert ("Runner r1", "invariant-5", "reservation on draining runner 'r1'") in reported(
+        w.log, position
+    )
+
+
+def test_evidence_of_a_lease_before_its_first_heartbeat() -> None:
+    w = world()
+    position = w.forge_fence(placement={"lease_version": 1})
+    w.forge_reserved()
+    assert reported(w.log, position) == [
+        ("Sandbox s2", "invariant-4", "heartbeat evidence differs from the lease at version 1")
+    ]
+
+
+def test_heartbeats_of_a_lease_never_opened_are_ignored() -> None:
+    w = world()
+    stranger = new_lease("r9")
+    stranger.collect_events()
+    w.log.forge(RunnerLease.LivenessRenewed, stranger.id, at=LATER)
+    w.log.forge(RunnerLease.EvidenceRecorded, stranger.id, at=LATER, artifact_digests=[],
+                materializations=[])  # fmt: skip
+    assert w.log.violations() == []
