@@ -475,7 +475,11 @@ def test_invariant_4_a_deregistered_runner() -> None:
         Sandbox.AssignmentFenced, sandbox.id, assignment=fenced.assignment,
         placement=fenced.placement,
     )  # fmt: skip
-    assert any("was deregistered" in v.detail for v in log.violations() if v.position == position)
+    assert any(
+        "was deregistered" in v.detail and v.rule == "invariant-4"
+        for v in log.violations()
+        if v.position == position
+    )
 
 
 def test_invariant_4_a_runner_that_was_never_registered_or_has_no_lease() -> None:
@@ -488,12 +492,20 @@ def test_invariant_4_a_runner_that_was_never_registered_or_has_no_lease() -> Non
     fenced: Any = scratch.collect_events()[-1]
     position = log.forge(Sandbox.AssignmentFenced, sandbox.id, assignment=fenced.assignment,
                          placement=fenced.placement)  # fmt: skip
-    assert any("is not registered" in v.detail for v in log.violations() if v.position == position)
+    assert any(
+        "is not registered" in v.detail and v.rule == "invariant-4"
+        for v in log.violations()
+        if v.position == position
+    )
     log.events.pop()
     log.save(runner)  # registered, but its lease never opened
     position = log.forge(Sandbox.AssignmentFenced, sandbox.id, assignment=fenced.assignment,
                          placement=fenced.placement)  # fmt: skip
-    assert any("has no lease" in v.detail for v in log.violations() if v.position == position)
+    assert any(
+        "has no lease" in v.detail and v.rule == "invariant-4"
+        for v in log.violations()
+        if v.position == position
+    )
 
 
 def created_fields(w: World, **decision: Any) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from secondbox_scheduler.domain import (
     select_runner,
 )
 from secondbox_scheduler.domain.errors import (
+    AlreadyExistsError,
     AssignmentNotFoundError,
     ConflictError,
     InvalidTransitionError,
@@ -287,3 +288,11 @@ def test_an_egress_refusal_keeps_its_detail_and_its_counts() -> None:
     with pytest.raises(EgressContextUnavailableError) as created:
         new_sandbox("s1", runners, egress_context="private")
     assert created.value.unlisted == Unlisted(refused=2, reasons={"egress": 2})
+
+
+def test_the_message_of_a_second_fence() -> None:
+    found = placed()
+    with pytest.raises(AlreadyExistsError) as raised:
+        found.sandbox.fence(request("s1", LATER), found.runner.snapshot(found.lease),
+                            runner_version=1, lease_version=2, attempt=0)  # fmt: skip
+    assert str(raised.value) == "sandbox 's1' generation 1 is already assigned"

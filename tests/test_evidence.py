@@ -12,6 +12,7 @@ from secondbox_scheduler.domain.evidence import (
     RuleFailure,
     RunnerEvaluation,
     Unlisted,
+    bounded_evidence,
     rank_key_from_record,
     rank_record,
     reason_label,
@@ -70,3 +71,28 @@ def test_a_decision_summarises_its_refusals() -> None:
     fits = new_runner("r2", allocatable=slots(1))
     later = decide(requirements(), [fits.snapshot(new_lease("r2"))], T0, timedelta(seconds=30))
     assert later.summary() == "1/1 runners are available"
+
+
+def test_unlisted_counts_merge_by_adding_each_count() -> None:
+    one = Unlisted(refused=1, compatible=2, not_evaluated=3, reasons={"draining": 1})
+    two = Unlisted(
+        refused=10, compatible=20, not_evaluated=30, reasons={"draining": 2, "egress": 1}
+    )
+    assert one.merged(two) == Unlisted(
+        refused=11, compatible=22, not_evaluated=33, reasons={"draining": 3, "egress": 1}
+    )
+
+
+def test_bounded_evidence_keeps_the_chosen_runner_and_eight_per_combination() -> None:
+    compatible = [RunnerEvaluation(f"r{n:02d}", ()) for n in range(10)]
+    draining = [RunnerEvaluation(f"d{n:02d}", (RuleFailure("draining", ""),)) for n in range(9)]
+    egress = [RunnerEvaluation("e00", (RuleFailure(EGRESS, ""),))]
+    kept, elided = bounded_evidence([*compatible, *draining, *egress], "r09")
+    assert kept == [*range(8), 9, *range(10, 18), 19]
+    assert elided == Unlisted(refused=1, compatible=1, reasons={"draining": 1})
+
+
+def test_a_decisions_summary_counts_the_unlisted_runners() -> None:
+    decision = PlacementDecision(None, (RunnerEvaluation("r1", ()),), Unlisted(refused=2,
+                                 reasons={"draining": 2}))  # fmt: skip
+    assert decision.summary() == "1/3 runners are available: 2 draining"
