@@ -30,8 +30,9 @@ from secondbox_scheduler.domain.evidence import (
     Unlisted,
     summarize_refusals,
 )
-from secondbox_scheduler.domain.placement import select_home_runner
+from secondbox_scheduler.domain.placement import evaluate_runner, select_home_runner
 from secondbox_scheduler.domain.sandbox import Sandbox
+from secondbox_scheduler.domain.values import Capacity
 from tests.aggregates import (
     PROOF,
     REQUEST,
@@ -296,3 +297,53 @@ def test_the_message_of_a_second_fence() -> None:
         found.sandbox.fence(request("s1", LATER), found.runner.snapshot(found.lease),
                             runner_version=1, lease_version=2, attempt=0)  # fmt: skip
     assert str(raised.value) == "sandbox 's1' generation 1 is already assigned"
+
+
+def test_the_detail_of_each_rule_a_runner_fails() -> None:
+    base = new_runner(allocatable=slots(1)).snapshot(new_lease())
+    base = base.model_copy(update={"capabilities": base.capabilities | {"client-selected-image"}})
+    stale_before = (T0 - TIMEOUT).isoformat()
+    cases: list[tuple[dict[str, Any], dict[str, Any], str]] = [
+        ({"pool_name": "pool-b"}, {}, "pool 'pool-b' is not 'pool-a'"),
+        ({"backend_kind": ""}, {"required_capabilities": frozenset({"client-selected-image"})},
+         "backend kind is empty"),
+        ({"capabilities": base.capabilities - {"compute"}}, {},
+         "missing capability 'compute'"),
+        ({}, {"required_capabilities": frozenset({"gpu", "fpga"})},
+         "missing capabilities ['fpga', 'gpu']"),
+        ({"capabilities": base.capabilities - {"cleanup", "storage"}}, {},
+         "missing prerequisite capabilities ['storage', 'cleanup']"),
+        ({"reserved": Capacity(vcpu_count=1, operations=2)}, {},
+         "insufficient capacity: vcpu_count short by 1, operations short by 2"),
+        ({}, {"egress_context": "private"}, "egress context 'private' is not supported"),
+        ({"last_heartbeat_at": None}, {}, f"last heartbeat never is before {stale_before}"),
+        ({"materializations": ()}, {},
+         "no firecracker/x86_64 materialization of runtime 'sha256:runtime' and toolchain "
+         "'sha256:toolchain'"),
+        ({"guest_protocol_minimum": 3}, {}, "guest protocol 2 is outside [3, 3]"),
+    ]  # fmt: skip
+    for runner_changes, requirement_changes, detail in cases:
+        runner = base.model_copy(update=runner_changes)
+        evaluation = evaluate_runner(requirements(**requirement_changes), runner, T0, TIMEOUT)
+        assert [failure.detail for failure in evaluation.failures] == [detail], detail
+
+
+def test_guest_protocol_generation_one_is_the_lowest_accepted() -> None:
+    runner = new_runner().snapshot(new_lease()).model_copy(update={"guest_protocol_minimum": 0})
+    assert evaluate_runner(
+        requirements(guest_protocol_generation=1), runner, T0, TIMEOUT
+    ).compatible
+    refused = evaluate_runner(requirements(guest_protocol_generation=0), runner, T0, TIMEOUT)
+    assert refused.reason_codes == ("guest_protocol",)
+
+
+def test_placement_refuses_a_bad_clock_or_timeout_naming_the_field() -> None:
+    runner = new_runner().snapshot(new_lease())
+    with pytest.raises(InvalidRequestError) as timeout:
+        evaluate_runner(requirements(), runner, T0, 30)  # type: ignore[arg-type]
+    assert (timeout.value.field, timeout.value.rule, timeout.value.value) == (
+        "heartbeat_timeout", "must be a timedelta", 30,
+    )  # fmt: skip
+    with pytest.raises(InvalidRequestError) as naive:
+        evaluate_runner(requirements(), runner, T0.replace(tzinfo=None), TIMEOUT)
+    assert naive.value.field == "now"
