@@ -30,9 +30,10 @@ from secondbox_scheduler.domain.evidence import (
     Unlisted,
     summarize_refusals,
 )
+from secondbox_scheduler.domain.lease import RunnerLease
 from secondbox_scheduler.domain.placement import evaluate_runner, select_home_runner
 from secondbox_scheduler.domain.sandbox import Sandbox
-from secondbox_scheduler.domain.values import Capacity
+from secondbox_scheduler.domain.values import Capacity, MaterializationSnapshot
 from tests.aggregates import (
     PROOF,
     REQUEST,
@@ -347,3 +348,33 @@ def test_placement_refuses_a_bad_clock_or_timeout_naming_the_field() -> None:
     with pytest.raises(InvalidRequestError) as naive:
         evaluate_runner(requirements(), runner, T0.replace(tzinfo=None), TIMEOUT)
     assert naive.value.field == "now"
+
+
+def test_a_lease_records_each_evidence_change_and_renewals_at_their_time() -> None:
+    lease = RunnerLease.open("r1", T0)
+    assert (lease.last_heartbeat_at, lease.artifact_digests, lease.materializations) == (
+        None, [], [],
+    )  # fmt: skip
+    assert lease.runner_id == "r1"
+    interval = timedelta(seconds=10)
+
+    def observe(seconds: int, digests: list[str], items: list[Any]) -> str:
+        at = T0 + timedelta(seconds=seconds)
+        return lease.observe(at=at, artifact_digests=digests, materializations=items,
+                             renewal_interval=interval, recorded_at=at + MINUTE)  # fmt: skip
+
+    item = new_lease().materializations[0]
+    assert observe(1, [], []) == "renewed"
+    assert observe(2, ["d1"], []) == "evidence"  # digests alone changed
+    assert observe(3, ["d1"], [MaterializationSnapshot.from_record(item)]) == "evidence"
+    assert observe(4, ["d1"], [MaterializationSnapshot.from_record(item)]) == "coalesced"
+    assert observe(0, ["d2"], []) == "stale"
+    assert observe(20, ["d1"], [MaterializationSnapshot.from_record(item)]) == "renewed"
+    events: list[Any] = list(lease.collect_events())[1:]
+    assert [type(e).__name__ for e in events] == [
+        "LivenessRenewed", "EvidenceRecorded", "EvidenceRecorded", "LivenessRenewed",
+    ]  # fmt: skip
+    assert [e.timestamp for e in events] == [
+        T0 + timedelta(seconds=s) + MINUTE for s in (1, 2, 3, 20)
+    ]
+    assert [e.at for e in events] == [T0 + timedelta(seconds=s) for s in (1, 2, 3, 20)]
