@@ -181,8 +181,8 @@ class AuditFold:
             Runner.Registered: self._registered,
             Runner.CapacityReserved: self._reserved,
             Runner.CapacityReleased: self._capacity_released,
-            Runner.DrainStarted: lambda e: self._drain(e, DRAIN_PHASE_DRAINING),
-            Runner.DrainCancelled: lambda e: self._drain(e, DRAIN_PHASE_ACTIVE),
+            Runner.DrainStarted: self._drain_started,
+            Runner.DrainCancelled: self._drain_cancelled,
             Runner.AllocatableChanged: self._allocatable,
             Runner.Deregistered: self._deregistered,
             RunnerLease.Opened: self._lease_opened,
@@ -403,6 +403,12 @@ class AuditFold:
             reserved[dim] -= capacity[dim]
         self._check_capacity(runner)
         self._check_ledger(runner)
+
+    def _drain_started(self, event: Any) -> None:
+        self._drain(event, DRAIN_PHASE_DRAINING)
+
+    def _drain_cancelled(self, event: Any) -> None:
+        self._drain(event, DRAIN_PHASE_ACTIVE)
 
     def _drain(self, event: Any, phase: str) -> None:
         runner = self._runner(event)

@@ -3,37 +3,36 @@
 ``store`` is parametrised over SQLite (a file in the test's tmp_path) and PostgreSQL
 (a schema of its own in the server's database, dropped afterwards), so each test is
 isolated and tests run in any order.
+
+Hypothesis runs under one of two profiles, chosen by ``SECONDBOX_HYPOTHESIS_PROFILE``:
+``ci`` (the default: derandomized, so every run of the suite tries the same examples
+and a bug it catches is caught in every run) and ``deep`` (random, and the state
+machine and other property tests try many more examples: for a longer local hunt).
+See docs/verification.md.
 """
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from pathlib import Path
 
 import psycopg
 import pytest
+from hypothesis import settings
 
 from secondbox_scheduler.infrastructure import SchedulerApplication
+from secondbox_scheduler.testing.builders import T0 as T0
+from secondbox_scheduler.testing.builders import Clock as Clock
 from tests.postgres_server import PostgresServer, ThrowawayCluster, from_environment
 
-T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
-
-
-@dataclass
-class Clock:
-    """A clock the test moves by hand."""
-
-    current: datetime = T0
-
-    def __call__(self) -> datetime:
-        return self.current
-
-    def advance(self, **delta: float) -> datetime:
-        self.current += timedelta(**delta)
-        return self.current
+HYPOTHESIS_PROFILE = os.environ.get("SECONDBOX_HYPOTHESIS_PROFILE", "ci")
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("deep", deadline=None, print_blob=True)
+settings.load_profile(HYPOTHESIS_PROFILE)
 
 
 @pytest.fixture

@@ -66,6 +66,8 @@ def test_the_wheel_holds_only_the_secondbox_scheduler_package(wheel: Path) -> No
         for module in (ROOT / layer).rglob("*.py"):
             assert f"secondbox_scheduler/{layer}/{module.relative_to(ROOT / layer)}" in names
     assert "secondbox_scheduler/py.typed" in names
+    for module in (ROOT / "secondbox_scheduler" / "testing").glob("*.py"):
+        assert f"secondbox_scheduler/testing/{module.name}" in names
 
 
 def test_the_installed_wheel_imports_beside_a_hosts_own_domain_package(
@@ -115,7 +117,18 @@ def test_the_installed_wheel_imports_beside_a_hosts_own_domain_package(
             capabilities={"compute"}, allocatable=Capacity(vcpu_count=1),
             guest_protocol_minimum=1, guest_protocol_maximum=1,
         )
+        from secondbox_scheduler.testing import runner_snapshots, requirements
+        from hypothesis import given, settings
+        drawn = []
+
+        @settings(max_examples=5, database=None)
+        @given(runner=runner_snapshots("r7"), wanted=requirements())
+        def embedder_property(runner, wanted):
+            drawn.append((runner.id, type(wanted).__name__))
+
+        embedder_property()
         print(json.dumps({
+            "testing": sorted(set(drawn)),
             "host": [domain.OWNER, domain.assignment.OWNER],
             "package": secondbox_scheduler.__file__,
             "layer": secondbox_scheduler.domain.__file__,
@@ -134,4 +147,5 @@ def test_the_installed_wheel_imports_beside_a_hosts_own_domain_package(
     assert found["layer"].startswith(str(site / "secondbox_scheduler" / "domain"))
     assert found["same"] == [True, True]
     assert found["runner"] == "r1"
+    assert found["testing"] == [["r7", "Requirements"]]
     assert set(found["names"]) >= {"SchedulerApplication", "PostgresStore", "select_runner"}

@@ -33,6 +33,8 @@ from secondbox_scheduler.domain import (
 )
 from secondbox_scheduler.domain.evidence import REASON_CODES
 from secondbox_scheduler.domain.placement import evaluate_runner, rank_key
+from secondbox_scheduler.testing import fleets, requirements
+from secondbox_scheduler.testing.strategies import RUNNER_IDS
 
 NOW = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
 TIMEOUT = timedelta(seconds=30)
@@ -982,70 +984,8 @@ def test_home_runner_failing_any_one_rule_is_unavailable(case: Case) -> None:
 
 # --------------------------------------------------------------------------- properties
 
-IDS = [f"runner-{n}" for n in range(8)]
-
-
-@st.composite
-def runner_snapshots(draw: st.DrawFn, runner_id: str) -> RunnerSnapshot:
-    allocatable = Capacity(
-        vcpu_count=draw(st.sampled_from([0, 2, 4, 8])),
-        memory_bytes=draw(st.sampled_from([0, 4 * GIB, 8 * GIB])),
-        disk_bytes=draw(st.sampled_from([0, 10 * GIB, 100 * GIB])),
-        instances=draw(st.integers(0, 3)),
-        operations=draw(st.integers(0, 2)),
-    )
-    reserved = Capacity(
-        **{dim: draw(st.integers(0, amount)) for dim, amount in allocatable.as_dict().items()}
-    )
-    optional_caps = draw(
-        st.frozensets(
-            st.sampled_from(
-                ["compute", *PREREQUISITES, "snapshot-restore", "physical-storage-admission"]
-            )
-        )
-    )
-    heartbeat_age = draw(st.one_of(st.none(), st.integers(-5, 60)))
-    return make_runner(
-        runner_id,
-        pool_name=draw(st.sampled_from([POOL, POOL, POOL, "pool-b"])),
-        drain_phase=draw(st.sampled_from([DRAIN_PHASE_ACTIVE] * 4 + [DRAIN_PHASE_DRAINING])),
-        last_heartbeat_at=None if heartbeat_age is None else NOW - timedelta(seconds=heartbeat_age),
-        capabilities=draw(st.sampled_from([BASE_CAPABILITIES] * 3 + [optional_caps])),
-        allocatable=allocatable,
-        reserved=reserved,
-        artifact_digests=tuple(
-            draw(st.lists(st.sampled_from([RUNTIME, TOOLCHAIN, "sha256:x"]), unique=True))
-        ),
-        materializations=draw(
-            st.sampled_from([(materialization(),)] * 3 + [(), (materialization(digest=""),)])
-        ),
-        supported_egress_contexts=tuple(
-            draw(st.lists(st.sampled_from(["public", "private"]), unique=True))
-        ),
-        guest_protocol_minimum=draw(st.integers(0, 3)),
-        guest_protocol_maximum=draw(st.integers(1, 4)),
-    )
-
-
-@st.composite
-def fleets(draw: st.DrawFn) -> list[RunnerSnapshot]:
-    ids = draw(st.lists(st.sampled_from(IDS), unique=True, max_size=len(IDS)))
-    return [draw(runner_snapshots(runner_id)) for runner_id in ids]
-
-
-requirements_strategy = st.builds(
-    make_requirements,
-    capacity=st.builds(
-        Capacity,
-        vcpu_count=st.sampled_from([0, 1, 2]),
-        memory_bytes=st.sampled_from([0, 4 * GIB]),
-        disk_bytes=st.sampled_from([0, 10 * GIB]),
-        instances=st.integers(0, 1),
-        operations=st.integers(0, 1),
-    ),
-    egress_context=st.sampled_from([None, "public", "private"]),
-    guest_protocol_generation=st.integers(0, 3),
-)
+# The strategies ship with the package (secondbox_scheduler.testing), for embedders too.
+requirements_strategy = requirements()
 
 
 def _outcome(
@@ -1063,7 +1003,7 @@ PROPERTY_SETTINGS = settings(
 
 
 @PROPERTY_SETTINGS
-@given(requirements=requirements_strategy, runners=fleets(), data=st.data())
+@given(requirements=requirements_strategy, runners=fleets(now=NOW), data=st.data())
 def test_select_runner_is_deterministic_and_order_independent(
     requirements: Requirements, runners: list[RunnerSnapshot], data: st.DataObject
 ) -> None:
@@ -1074,7 +1014,7 @@ def test_select_runner_is_deterministic_and_order_independent(
 
 
 @PROPERTY_SETTINGS
-@given(requirements=requirements_strategy, runners=fleets())
+@given(requirements=requirements_strategy, runners=fleets(now=NOW))
 def test_chosen_runner_is_compatible_and_no_compatible_runner_ranks_better(
     requirements: Requirements, runners: list[RunnerSnapshot]
 ) -> None:
@@ -1095,11 +1035,11 @@ def test_chosen_runner_is_compatible_and_no_compatible_runner_ranks_better(
 
 
 @PROPERTY_SETTINGS
-@given(requirements=requirements_strategy, runners=fleets(), data=st.data())
+@given(requirements=requirements_strategy, runners=fleets(now=NOW), data=st.data())
 def test_home_selection_sees_only_the_home_runner(
     requirements: Requirements, runners: list[RunnerSnapshot], data: st.DataObject
 ) -> None:
-    home_id = data.draw(st.sampled_from(IDS))
+    home_id = data.draw(st.sampled_from(RUNNER_IDS))
     home = [r for r in runners if r.id == home_id]
     try:
         chosen: RunnerSnapshot | type[Exception] = select_home_runner(

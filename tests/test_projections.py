@@ -11,7 +11,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,8 @@ from hypothesis import strategies as st
 from secondbox_scheduler.domain import Capacity, HomeRunnerUnavailableError, SchedulerError
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.projections.read_models import ReadModels, rebuild
+from secondbox_scheduler.testing import histories, run_history
+from secondbox_scheduler.testing.strategies import HISTORY_SANDBOXES
 from tests.conftest import Clock, Store
 from tests.factories import (
     RUNTIME,
@@ -32,12 +33,10 @@ from tests.factories import (
     only_refusals_since,
     register,
     schedule_request,
-    token,
 )
 from tests.postgres_server import PostgresServer
 
-RUNNERS = ("r1", "r2", "r3")
-SANDBOXES = ("s1", "s2", "s3", "s4")
+SANDBOXES = HISTORY_SANDBOXES
 
 
 def read_models_of(app: SchedulerApplication) -> ReadModels:
@@ -71,69 +70,7 @@ def raw_rows(app: SchedulerApplication) -> dict[str, list[dict[str, Any]]]:
     return {name: view.rows() for name, view in read_models.views.items()}  # type: ignore[attr-defined]
 
 
-OPERATIONS = st.lists(
-    st.tuples(
-        st.sampled_from(
-            ["heartbeat", "drain", "cancel", "allocatable", "create", "schedule", "running",
-             "release", "fail", "claim", "advance", "deregister", "tick"]
-        ),
-        st.integers(0, 3),
-        st.integers(0, 3),
-    ),
-    max_size=40,
-)  # fmt: skip
-
-
-def run_history(app: SchedulerApplication, clock: Clock, operations: list[Any]) -> None:
-    """Apply a random history; refusals are part of it."""
-    tokens: dict[tuple[str, int], bytes] = {}
-    for index, runner_id in enumerate(RUNNERS):
-        register(app, runner_id, at=clock(), allocatable=capacity(instances=1 + index))
-    for name, a, b in operations:
-        runner_id, sandbox_id = RUNNERS[a % len(RUNNERS)], SANDBOXES[b]
-        try:
-            if name == "heartbeat":
-                app.record_heartbeat(
-                    runner_id=runner_id, at=clock(), artifact_digests=[RUNTIME] * (a % 2 + 1),
-                    materializations=[materialization()],
-                )  # fmt: skip
-            elif name == "drain":
-                app.start_drain(runner_id)
-            elif name == "cancel":
-                app.cancel_drain(runner_id)
-            elif name == "allocatable":
-                app.change_allocatable(runner_id, capacity(instances=b + 1))
-            elif name == "create":
-                create_sandbox(app, sandbox_id)
-            elif name == "deregister":
-                app.deregister_runner(runner_id)
-            elif name == "tick":
-                clock.advance(seconds=7 * (a + 1))
-            else:
-                current = app.get_assignment(sandbox_id)
-                generation = current.generation if current else 1
-                if name == "schedule":
-                    fresh = token()
-                    assignment, _ = app.schedule(
-                        schedule_request(sandbox_id, clock(), fencing_token=fresh, retry_limit=1)
-                    )
-                    tokens[(sandbox_id, assignment.generation)] = assignment.fencing_token
-                    continue
-                held = tokens.get((sandbox_id, generation), b"\0" * 32)
-                if name == "running":
-                    app.mark_running(sandbox_id, generation, held)
-                elif name == "release":
-                    app.release(sandbox_id, generation, held, {"proof": str(a)})
-                elif name == "fail":
-                    app.fail(sandbox_id, generation, held, ["transport", "admission"][a % 2])
-                elif name == "claim":
-                    app.claim_reconcile(
-                        sandbox_id, generation, f"owner-{a}", clock() + timedelta(seconds=10)
-                    )
-                elif name == "advance":
-                    app.advance_generation(sandbox_id, generation)
-        except SchedulerError:
-            pass
+OPERATIONS = histories()
 
 
 def check_live_rebuilt_folded(app: SchedulerApplication) -> None:

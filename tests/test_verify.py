@@ -1,4 +1,6 @@
-"""A CI-sized run of `secondbox-scheduler verify`: concurrent replicas with kills, on PostgreSQL."""
+"""A CI-sized run of `secondbox-scheduler verify`: concurrent replicas with kills, on PostgreSQL,
+under the adversarial profile (tight runners, misbehaving clients, guard and audit probes);
+and the probes themselves, on one store, deterministically."""
 
 from __future__ import annotations
 
@@ -8,8 +10,16 @@ from typing import Any
 
 import pytest
 
+from secondbox_scheduler.domain import Capacity
+from secondbox_scheduler.infrastructure import SchedulerApplication
+from secondbox_scheduler.infrastructure.audit_replay import fold
 from secondbox_scheduler.infrastructure.fault_injection import FaultRunConfig, run_fault_injection
+from secondbox_scheduler.infrastructure.fault_injection.probes import audit_probes, guard_probes
 from secondbox_scheduler.infrastructure.fault_injection.run import LOG_DIR_PREFIX, log_directory
+from tests.conftest import Clock
+from tests.factories import CAPABILITIES, capacity, create_sandbox, register, schedule_request
+
+DIMENSIONS = Capacity.DIMENSIONS
 
 
 @pytest.mark.slow
@@ -31,10 +41,15 @@ def test_concurrent_replicas_with_kills_keep_every_promise(
         runners=4,
         sandboxes=60,
         kill_workers=3,
+        profile="adversarial",
     )
     report = run_fault_injection(config)
     assert report.ok, report.violations
     assert report.kills == 3
+    assert sum(report.misbehaviours.values()) > 0
+    assert any(name.startswith("reserve past free") for name in report.probes)
+    for dim in DIMENSIONS:  # the first three runners check every dimension
+        assert report.probes[f"audit: reservation past allocatable {dim}"] == 3
     assert report.acknowledged_schedules > 0
     assert report.operations["release"] > 0
     assert report.events > 0
@@ -60,3 +75,48 @@ def test_a_named_log_dir_is_created_and_cleared_of_an_earlier_runs_worker_files(
     (named / "notes.txt").write_text("mine\n")
     assert log_directory(FaultRunConfig(database_url="", log_dir=named)) == named
     assert [path.name for path in named.iterdir()] == ["notes.txt"]
+
+
+def test_an_unknown_profile_is_refused() -> None:
+    with pytest.raises(ValueError, match="profile"):
+        run_fault_injection(FaultRunConfig(database_url="postgresql://x/y", profile="chaos"))
+
+
+def test_guard_probes_hold_on_a_live_runner(app: SchedulerApplication, clock: Clock) -> None:
+    register(app, "r1", at=clock(), allocatable=capacity(instances=2))
+    create_sandbox(app, "s1")
+    app.schedule(schedule_request("s1", clock()))
+    register(app, "r2", at=clock(), capabilities=(*CAPABILITIES, "physical-storage-admission"))
+    probes = guard_probes(app, "r1", clock())
+    assert [probe for probe in probes if not probe.ok] == []
+    names = {probe.name for probe in probes}
+    assert {f"reserve past free {dim}" for dim in DIMENSIONS} <= names
+    assert {f"allocatable below reserved {dim}" for dim in DIMENSIONS} <= names
+    assert {"deregister while reserved", "release without proof"} <= names
+    unchecked = {probe.name for probe in guard_probes(app, "r2", clock())}
+    assert "reserve past free disk_bytes" not in unchecked
+    assert "reserve past free operations" in unchecked
+    app.start_drain("r1")
+    draining = guard_probes(app, "r1", clock())
+    assert all(probe.ok for probe in draining)
+    assert {f"reserve while draining ({dim})" for dim in DIMENSIONS} <= {p.name for p in draining}
+    assert app.get_runner("r1").reserved.instances == 1, "probes never save"
+
+
+def test_audit_probes_are_each_reported_with_their_rule(
+    app: SchedulerApplication, clock: Clock
+) -> None:
+    register(app, "r1", at=clock(), allocatable=capacity(instances=2))
+    create_sandbox(app, "s1")
+    app.schedule(schedule_request("s1", clock()))
+    head = app.head_position()
+    audit = fold(app)
+    versions = {"r1": max(e.originator_version for e in app.events.get(audit.runner_streams["r1"]))}
+    probes = audit_probes(audit, versions, clock())
+    assert [probe for probe in probes if not probe.ok] == []
+    assert {f"audit: reservation past allocatable {dim}" for dim in DIMENSIONS} <= {
+        probe.name for probe in probes
+    }
+    assert audit.violations == []
+    assert audit.runner_snapshots()[0].drain_phase == "active", "the forged drain stays a copy"
+    assert app.head_position() == head

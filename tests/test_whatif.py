@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -51,10 +52,11 @@ from secondbox_scheduler.infrastructure.whatif_replay import (
 )
 from secondbox_scheduler.projections.event_decoder import EventDecoder
 from secondbox_scheduler.projections.notification_reader import read_pages
+from secondbox_scheduler.testing import SchedulerMachine, sqlite_store
 from tests.conftest import Clock, PostgresSchema
 from tests.factories import capacity, create_sandbox, register, requirements, schedule_request
 from tests.histories import HISTORY_0_1, copy_history, copy_sqlite, stored_rows
-from tests.test_state_machine import SchedulerMachine
+from tests.test_projections import fresh_store
 
 HEALTH = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 SIM_START = datetime(2026, 1, 5, 9, 0, tzinfo=UTC)
@@ -782,7 +784,7 @@ def test_the_command_refuses_bad_flags_in_one_line(history: History) -> None:
 
 
 class WhatIfMachine(SchedulerMachine):
-    """The state machine of tests/test_state_machine.py (every command, refusals,
+    """The state machine of ``secondbox_scheduler.testing`` (every command, refusals,
     deregistrations, allocatable changes, stale heartbeats), whose history must then
     reproduce itself."""
 
@@ -799,9 +801,14 @@ class WhatIfMachine(SchedulerMachine):
 def test_no_change_reproduces_the_state_machines_histories(
     kind: str, request: pytest.FixtureRequest
 ) -> None:
-    server = request.getfixturevalue("postgres_server") if kind == "postgres" else None
+    store: Any = sqlite_store
+    if kind == "postgres":
+        server = request.getfixturevalue("postgres_server")
+        store = lambda: fresh_store("postgres", server)  # noqa: E731
     machine: type[WhatIfMachine] = type(
-        f"WhatIfMachine_{kind}", (WhatIfMachine,), {"kind": kind, "server": server}
+        f"WhatIfMachine_{kind}",
+        (WhatIfMachine,),
+        {"store": staticmethod(store), "transitions": Counter()},
     )
     machine.TestCase.settings = settings(
         max_examples=12 if kind == "sqlite" else 4,

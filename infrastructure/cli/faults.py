@@ -32,10 +32,18 @@ commands = typer.Typer()
         "(--restart-postgres). Then: audit verify is clean, every acknowledged schedule is "
         "in the store unchanged, interrupted requests retried get the same assignment, and "
         "the read models equal a rebuild. Runs in a fresh database it creates (and drops "
-        "unless --keep). Exits 1 on any violation.\n\n[bold]Examples[/bold]\n\n"
+        "unless --keep). Exits 1 on any violation. --profile adversarial: runners tight on "
+        "all five capacity dimensions, and clients that misbehave on purpose (stale and "
+        "forged tokens, early advances, duplicate and proof-less releases, deregistering "
+        "busy runners, drains during placement, heartbeats out of order), each of which "
+        "must be refused with its documented error and write nothing; the aggregates' own "
+        "guards and the audit's checks are probed on the live state too.\n\n"
+        "[bold]Examples[/bold]\n\n"
         "  secondbox-scheduler verify --workers 4 --duration 60 --kill-workers 3\n"
         "  secondbox-scheduler verify --workers 4 --duration 300 --kill-workers 10 "
-        "--restart-postgres"
+        "--restart-postgres\n"
+        "  secondbox-scheduler verify --profile adversarial --workers 3 --duration 60 "
+        "--kill-workers 2"
     ),
 )
 def verify_command(
@@ -54,6 +62,13 @@ def verify_command(
     runners: Annotated[int, typer.Option("--runners", min=2)] = 6,
     sandboxes: Annotated[int, typer.Option("--sandboxes", min=1)] = 120,
     seed: Annotated[int, typer.Option("--seed")] = 7,
+    profile: Annotated[
+        str,
+        typer.Option(
+            "--profile",
+            help="standard (well-behaved clients, roomy runners) or adversarial.",
+        ),
+    ] = "standard",
     keep: Annotated[bool, typer.Option("--keep", help="Keep the database afterwards.")] = False,
     log_dir: Annotated[
         str | None,
@@ -79,7 +94,7 @@ def verify_command(
     config = FaultRunConfig(
         database_url=database_url, workers=workers, duration=duration, runners=runners,
         sandboxes=sandboxes, kill_workers=kill_workers, restart_postgres=restart_postgres,
-        seed=seed, keep=keep, log_dir=Path(log_dir) if log_dir else None,
+        seed=seed, keep=keep, log_dir=Path(log_dir) if log_dir else None, profile=profile,
     )  # fmt: skip
     with reported_errors(), store_errors(database_url):
         try:

@@ -5,7 +5,11 @@
 - every acknowledged schedule is in the store with the same assignment (id, token);
 - every request a kill interrupted, retried by the restarted worker, got the same
   assignment back;
-- the read models caught up from the log equal a rebuild from zero.
+- the read models caught up from the log equal a rebuild from zero;
+- adversarial profile: every misbehaviour was refused as documented and wrote nothing,
+  every guard probe of the Runner aggregate held (the workers journaled both), and the
+  audit fold of the final log reports each forged breach at its position with its rule
+  (:func:`.probes.audit_probes`).
 
 Along the way it counts, into the report, what the workers' journals say they did.
 """
@@ -17,12 +21,35 @@ from pathlib import Path
 from typing import Any
 
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.audit_replay import fold as audit_fold
 from secondbox_scheduler.infrastructure.audit_replay import verify as audit_verify
 from secondbox_scheduler.infrastructure.fault_injection.config import FaultRunReport
+from secondbox_scheduler.infrastructure.fault_injection.probes import audit_probes
 from secondbox_scheduler.projections.read_models import rebuild
 
 
-def check(url: str, configs: list[dict[str, Any]], report: FaultRunReport) -> None:
+def count_probe(record: dict[str, Any], report: FaultRunReport) -> None:
+    """A journaled misbehaviour or guard probe: counted when it held, else a violation."""
+    counter = report.misbehaviours if record["kind"] == "misbehaviour" else report.probes
+    if record["ok"]:
+        counter[record["name"]] += 1
+    else:
+        report.violations.append(f"{record['kind']} {record['name']}: {record['detail']}")
+
+
+def check_audit_probes(app: SchedulerApplication, report: FaultRunReport) -> None:
+    audit = audit_fold(app)
+    versions = {
+        runner_id: next(iter(app.events.get(stream, desc=True, limit=1))).originator_version
+        for runner_id, stream in audit.runner_streams.items()
+    }
+    for probe in audit_probes(audit, versions, app.now()):
+        count_probe(probe.to_record(), report)
+
+
+def check(
+    url: str, configs: list[dict[str, Any]], report: FaultRunReport, adversarial: bool = False
+) -> None:
     app = SchedulerApplication(
         env={"SECONDBOX_DATABASE_URL": url, "SECONDBOX_READ_MODELS": "external"}
     )
@@ -53,6 +80,8 @@ def check(url: str, configs: list[dict[str, Any]], report: FaultRunReport) -> No
                     last_stats = {}
                 elif kind == "stats":
                     last_stats = record
+                elif kind in ("misbehaviour", "probe"):
+                    count_probe(record, report)
                 if kind == "ack" and record["op"] == "schedule":
                     report.acknowledged_schedules += 1
                     stored = app.get_assignment(record["sandbox"], record["generation"])
@@ -69,6 +98,8 @@ def check(url: str, configs: list[dict[str, Any]], report: FaultRunReport) -> No
                             )
             report.contention_retries += last_stats.get("contention_retries", 0)
             report.contention_errors += last_stats.get("contention_errors", 0)
+        if adversarial:
+            check_audit_probes(app, report)
         read_models = app.read_models
         assert read_models is not None
         read_models.catch_up()

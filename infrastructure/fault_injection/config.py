@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+PROFILES = ("standard", "adversarial")
+
 
 @dataclass
 class FaultRunConfig:
@@ -19,6 +21,9 @@ class FaultRunConfig:
     kill_workers: int = 0
     restart_postgres: bool = False
     seed: int = 7
+    # "standard": well-behaved clients on roomy runners; "adversarial": runners tight on
+    # all five dimensions and clients that misbehave on purpose (fault_injection/adversary.py)
+    profile: str = "standard"
     keep: bool = False
     # where the workers' journals and logs go; None: a new temporary directory
     log_dir: Path | None = None
@@ -39,6 +44,9 @@ class FaultRunReport:
     retried_in_flight: int = 0
     events: int = 0
     audit_events_per_second: float = 0.0
+    # adversarial profile: misbehaviours refused as documented, guard and audit probes held
+    misbehaviours: Counter[str] = field(default_factory=Counter)
+    probes: Counter[str] = field(default_factory=Counter)
     violations: list[str] = field(default_factory=list)
 
     @property
@@ -61,5 +69,7 @@ class FaultRunReport:
             "retried_in_flight": self.retried_in_flight,
             "events": self.events,
             "audit_events_per_second": round(self.audit_events_per_second, 1),
+            "misbehaviours_refused": dict(sorted(self.misbehaviours.items())),
+            "probes_held": dict(sorted(self.probes.items())),
             "violations": self.violations,
         }

@@ -24,6 +24,7 @@ from typing import Any
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.fault_injection.checks import check
 from secondbox_scheduler.infrastructure.fault_injection.config import (
+    PROFILES,
     FaultRunConfig,
     FaultRunReport,
 )
@@ -67,6 +68,8 @@ def restart_postgres() -> bool:
 def run_fault_injection(
     config: FaultRunConfig, say: Callable[[str], None] = lambda _: None
 ) -> FaultRunReport:
+    if config.profile not in PROFILES:
+        raise ValueError(f"profile must be one of {list(PROFILES)}, not {config.profile!r}")
     name = f"secondbox_verify_{int(time.time())}"
     url = fault_run_database(config.database_url, name)
     directory = log_directory(config)
@@ -75,13 +78,15 @@ def run_fault_injection(
         setup = SchedulerApplication(env={"SECONDBOX_DATABASE_URL": url})
         runners, sandboxes = setup_fleet(setup, config)
         setup.close()
-        say(f"fleet of {len(runners)} runners, {len(sandboxes)} sandboxes in database {name}")
+        say(f"fleet of {len(runners)} runners, {len(sandboxes)} sandboxes in database {name} "
+            f"(profile {config.profile})")  # fmt: skip
         say(f"worker journals and logs in {directory}")
         deadline = time.time() + config.duration
         rng = random.Random(config.seed)
         configs = [
             {
                 "index": index, "database_url": url, "seed": config.seed, "deadline": deadline,
+                "profile": config.profile,
                 "journal": str(directory / f"worker-{index}.jsonl"), "runners": runners,
                 "sandboxes": sandboxes[index :: config.workers],
             }
@@ -128,7 +133,7 @@ def run_fault_injection(
             except subprocess.TimeoutExpired:
                 process.kill()
         say("workers done; checking")
-        check(url, configs, report)
+        check(url, configs, report, adversarial=config.profile == "adversarial")
     finally:
         if not config.keep:
             drop_database(config.database_url, name)

@@ -8,6 +8,11 @@ and shares every runner with the other workers (the hot spots). It journals each
 request before sending it (``intent``) and each answer after (``ack``), flushed to the
 OS, so a SIGKILL loses nothing acknowledged; on restart it first retries the request
 that was in flight and records whether it got the same assignment back.
+
+Under the ``adversarial`` profile it also misbehaves on purpose now and then
+(:mod:`.adversary`: each misbehaviour must be refused as documented and write nothing)
+and probes the Runner aggregate's own guards on the live state (:mod:`.probes`); both
+are journaled (``misbehaviour`` and ``probe`` records) for the final checks.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from secondbox_scheduler.domain.errors import SchedulerError
-from secondbox_scheduler.domain.values import ScheduleRequest
+from secondbox_scheduler.domain.values import DurableAssignment, ScheduleRequest
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.fault_injection.adversary import Adversary
 from secondbox_scheduler.infrastructure.fault_injection.fleet import HEARTBEAT_TIMEOUT, requirements
+from secondbox_scheduler.infrastructure.fault_injection.probes import guard_probes
 from secondbox_scheduler.infrastructure.reconciler import Reconciler
 
 PROOF = {"verified-by": "secondbox-verify"}
@@ -42,6 +49,14 @@ class Worker:
         self.runners: list[str] = config["runners"]
         self.previous = previous
         self.ops = 0
+        self.profile: str = config.get("profile", "standard")
+        # every token this worker was given, by (sandbox, generation): the adversary's ammunition
+        self.tokens: dict[tuple[str, int], str] = {
+            (record["sandbox"], record["generation"]): record["token"]
+            for record in previous
+            if record["kind"] == "ack" and record["op"] == "schedule"
+        }
+        self.adversary = Adversary(self.app, self.rng, self.tokens, self.schedule_with)
 
     def write(self, record: dict[str, Any]) -> None:
         self.journal.write(json.dumps(record, sort_keys=True) + "\n")
@@ -57,13 +72,20 @@ class Worker:
                 last = None
         return last
 
-    def schedule(self, sandbox_id: str, assignment_id: str, token: str, retried: bool) -> None:
+    def schedule_with(self, sandbox_id: str, token: bytes) -> tuple[DurableAssignment, bool]:
+        assignment_id = f"{sandbox_id}-{self.rng.getrandbits(64):016x}"
+        return self.schedule(sandbox_id, assignment_id, token.hex(), retried=False)
+
+    def schedule(
+        self, sandbox_id: str, assignment_id: str, token: str, retried: bool
+    ) -> tuple[DurableAssignment, bool]:
         now = self.app.now()
         request = ScheduleRequest(
             assignment_id=assignment_id, assignment_command_id=f"cmd-{assignment_id}",
             instance_id=f"inst-{sandbox_id}", sandbox_id=sandbox_id,
             workspace_id=f"ws-{sandbox_id}", start_mutation_id=f"start-{assignment_id}",
-            profile_revision_id="verify-profile", requirements=requirements("verify"),
+            profile_revision_id="verify-profile",
+            requirements=requirements("verify", self.profile),
             fencing_token=bytes.fromhex(token), claim_expires_at=now + timedelta(minutes=5),
             operation_deadline=now + timedelta(minutes=5), retry_limit=2,
             serialization_retry_limit=12, heartbeat_timeout=HEARTBEAT_TIMEOUT,
@@ -77,8 +99,26 @@ class Worker:
             "generation": assignment.generation, "assignment": assignment.id,
             "token": assignment.fencing_token.hex(), "created": created, "retried": retried,
         })  # fmt: skip
+        self.tokens[(sandbox_id, assignment.generation)] = assignment.fencing_token.hex()
+        return assignment, created
+
+    def misbehave(self) -> bool:
+        """Adversarial profile: one misbehaviour or a round of guard probes, now and then."""
+        roll = self.rng.random()
+        if roll < 0.2:
+            probe = self.adversary.misbehave(self.rng.choice(self.sandboxes), self.runners)
+            if probe is not None:
+                self.write({**probe.to_record(), "kind": "misbehaviour"})
+            return True
+        if roll < 0.25:
+            for probe in guard_probes(self.app, self.rng.choice(self.runners), self.app.now()):
+                self.write(probe.to_record())
+            return True
+        return False
 
     def step(self) -> None:
+        if self.profile == "adversarial" and self.misbehave():
+            return
         sandbox_id = self.rng.choice(self.sandboxes)
         roll = self.rng.random()
         if roll < 0.05:

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Mutation score of the modules that hold the invariants and the placement policy
+# (docs/verification.md, section 5), with mutmut, on a fresh clone of the committed HEAD.
+#
+#   scripts/mutation.sh                 # every mutant of the modules below
+#   MUTATION_WORKDIR=/tmp/m scripts/mutation.sh   # keep the clone, venv and results there
+#   MUTATION_MAX_CHILDREN=2 ...         # parallel mutants (default: the number of cores)
+#
+# It creates what it needs: a clone in a work directory, a virtual environment with the
+# project's dependencies and its `test` and `mutation` extras (the project itself is not
+# installed, so the tests can only import the mutated copy), then runs mutmut and prints
+# the score. Not run by CI: it takes a while (docs/verification.md says how long).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+WORK="${MUTATION_WORKDIR:-$(mktemp -d -t secondbox-mutation-XXXXXX)}"
+CHILDREN="${MUTATION_MAX_CHILDREN:-$(nproc)}"
+MODULES=(placement evidence runner sandbox lease audit_fold)
+# The tests that pin these modules down; fast, SQLite only (the domain is store-agnostic).
+# Left out for time (a surviving mutant runs every test that reaches it): PostgreSQL
+# twins, the simulate-then-audit test and the three 300-example placement properties,
+# so the score is a lower bound of what the whole suite kills.
+TESTS=(
+  tests/test_runner_guards.py tests/test_sandbox_guards.py tests/test_audit_fold.py
+  tests/test_domain_records.py tests/test_evidence.py
+  tests/test_placement.py tests/test_application_guards.py tests/test_audit.py
+  tests/test_lifecycle.py tests/test_schedule.py tests/test_runners.py tests/test_reconcile.py
+)
+
+echo "mutation run in $WORK" >&2
+rm -rf "$WORK/clone"
+git clone --quiet --no-hardlinks "$ROOT" "$WORK/clone"
+cd "$WORK/clone"
+
+if [ ! -x "$WORK/venv/bin/mutmut" ]; then
+  "$PYTHON" -m venv "$WORK/venv"
+  "$WORK/venv/bin/pip" install --quiet --disable-pip-version-check ".[test,mutation]"
+fi
+"$WORK/venv/bin/pip" uninstall --quiet --yes secondbox-scheduler >/dev/null 2>&1 || true
+
+# In a checkout, secondbox_scheduler/domain (and the other layers) are symbolic links to
+# the top-level folders. mutmut walks real directories only and names each mutant by its
+# module path, so the clone gets the installed layout: each layer moved into the package.
+for layer in domain projections infrastructure; do
+  rm "secondbox_scheduler/$layer"
+  mv "$layer" "secondbox_scheduler/$layer"
+done
+
+{
+  echo "[mutmut]"
+  echo "source_paths = secondbox_scheduler"
+  echo "only_mutate ="
+  for module in "${MODULES[@]}"; do echo "    secondbox_scheduler/domain/$module.py"; done
+  echo "pytest_add_cli_args_test_selection ="
+  for test in "${TESTS[@]}"; do echo "    $test"; done
+  echo "pytest_add_cli_args ="
+  echo "    -p"
+  echo "    no:cacheprovider"
+  echo "    -k"
+  echo "    not postgres and not simulate and not test_select_runner_is_deterministic and not test_chosen_runner_is_compatible and not test_home_selection_sees_only"
+  echo "    -m"
+  echo "    not slow"
+} > setup.cfg
+
+export SECONDBOX_HYPOTHESIS_PROFILE=ci
+started=$(date +%s)
+"$WORK/venv/bin/mutmut" run --max-children "$CHILDREN" > "$WORK/mutmut-run.log" 2>&1 || {
+  tail -n 40 "$WORK/mutmut-run.log" >&2
+  exit 1
+}
+seconds=$(( $(date +%s) - started ))
+"$WORK/venv/bin/mutmut" results --all true > "$WORK/results.txt" 2>&1 || true
+"$WORK/venv/bin/python" "$ROOT/scripts/mutation_score.py" "$WORK/results.txt" \
+  "$ROOT/docs/equivalent-mutants.txt" "$seconds"
