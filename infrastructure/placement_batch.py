@@ -124,9 +124,6 @@ class PlacementBatch:
                 decision.outcome = self._decide_one(
                     decision, sandboxes[request.sandbox_id], runners, clock
                 )
-            except PlacementError as error:
-                decision.outcome = error
-                decision.refusal = error
             except SchedulerError as error:
                 decision.outcome = error
         return decisions
@@ -183,14 +180,18 @@ class PlacementBatch:
         if runner.holds(request.sandbox_id, sandbox.generation):
             decision.stale = True  # a rival's fence: the sandbox read missed it
             return None
-        record, token = sandbox.fence(
-            request,
-            runner.snapshot(lease),
-            runner_version=runner.version,
-            lease_version=lease.version,
-            attempt=decision.attempt,
-            clock=clock,
-        )
+        try:
+            record, token = sandbox.fence(
+                request,
+                runner.snapshot(lease),
+                runner_version=runner.version,
+                lease_version=lease.version,
+                attempt=decision.attempt,
+                clock=clock,
+            )
+        except PlacementError as error:  # the rules refused: evidence worth recording
+            decision.refusal = error
+            raise
         assert request.now is not None
         runner.reserve(
             assignment_id=request.assignment_id,

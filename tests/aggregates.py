@@ -18,6 +18,7 @@ from uuid import UUID
 from eventsourcing.domain import Aggregate
 
 from secondbox_scheduler.domain.audit_fold import AuditFold, Violation
+from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
 from secondbox_scheduler.domain.lease import RunnerLease
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.sandbox import Sandbox
@@ -152,13 +153,22 @@ def request(sandbox_id: str, at: datetime = T0, **overrides: Any) -> ScheduleReq
     return ScheduleRequest(**fields)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """A placement made on the aggregates: its request and the token's index stream (to
+    save after the sandbox and the runner, as ``schedule`` does)."""
+
+    request: ScheduleRequest
+    token_use: FencingTokenUse
+
+
 def place(
     sandbox: Sandbox, runner: Runner, lease: RunnerLease, at: datetime = T0, **overrides: Any
-) -> ScheduleRequest:
+) -> Placement:
     """What ``schedule`` does: fence on the sandbox, reserve on the runner."""
     sandbox_id = sandbox.sandbox_id
     wanted = request(sandbox_id, at, **overrides)
-    record, _ = sandbox.fence(
+    record, token_use = sandbox.fence(
         wanted,
         runner.snapshot(lease),
         runner_version=runner.version,
@@ -173,7 +183,7 @@ def place(
         capacity=wanted.requirements.capacity,
         at=at,
     )
-    return wanted
+    return Placement(wanted, token_use)
 
 
 def free(runner: Runner, lease: RunnerLease) -> dict[str, int]:

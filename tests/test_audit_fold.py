@@ -57,11 +57,11 @@ class World:
 
     def place(self, sandbox_id: str) -> int:
         sandbox = self.sandboxes[sandbox_id]
-        wanted = place(sandbox, self.runner, self.lease, LATER)
+        made = place(sandbox, self.runner, self.lease, LATER)
         record = sandbox.assignment()
         assert record is not None
-        self.tokens[(sandbox_id, record["generation"])] = wanted.fencing_token
-        return self.log.save(sandbox, self.runner)
+        self.tokens[(sandbox_id, record["generation"])] = made.request.fencing_token
+        return self.log.save(sandbox, self.runner, made.token_use)
 
     def release(self, sandbox_id: str, generation: int = 1) -> int:
         sandbox = self.sandboxes[sandbox_id]
@@ -267,7 +267,7 @@ def test_invariant_2_a_fence_at_the_end_of_the_log() -> None:
     w = world()
     position = w.forge_fence()
     assert rules_at(w.log, position) == {"invariant-2"}
-    assert "no matching runner event" in details_at(w.log, position, "invariant-2")[0]
+    assert "no matching CapacityReserved" in details_at(w.log, position, "invariant-2")[0]
 
 
 @pytest.mark.parametrize("mismatch", ["sandbox", "generation", "capacity", "runner"])
@@ -775,11 +775,16 @@ def test_the_exact_report_of_each_release_breach() -> None:
         (s1, "invariant-6", "generation 1 released twice"),
         (s1, "invariant-6", "released without proof"),
         # the end of the log: the release's capacity release never came
-        (s1, "invariant-2", f"release of s1#1 at #{position} has no matching runner event"),
+        (
+            s1,
+            "invariant-2",
+            f"release of s1#1 at #{position} has no matching CapacityReleased "
+            "before the end of the log",
+        ),
     ]
     after = w.log.forge(Runner.DrainStarted, w.runner.id)
     assert reported(w.log, after) == [
-        (r1, "invariant-2", f"release of s1#1 at #{position} has no matching runner event in "
+        (r1, "invariant-2", f"release of s1#1 at #{position} has no matching CapacityReleased in "
                             "the same transaction"),
     ]  # fmt: skip
     del w.log.events[-2:]
@@ -802,7 +807,12 @@ def test_the_exact_report_of_each_fence_breach() -> None:
         (s2, "invariant-3", "assignment for generation 2 while current is 1"),
         (s2, "invariant-4", "assignment on 'r9' but the home runner is 'r1'"),
         (s2, "invariant-4", "runner 'r9' is not registered"),
-        (s2, "invariant-2", f"reserve of s2#2 at #{position} has no matching runner event"),
+        (
+            s2,
+            "invariant-2",
+            f"reserve of s2#2 at #{position} has no matching CapacityReserved "
+            "before the end of the log",
+        ),
     ]
     w.log.events.pop()
     capacity = slots(2).as_dict()
@@ -811,7 +821,8 @@ def test_the_exact_report_of_each_fence_breach() -> None:
         (s2, "invariant-4", "reserved capacity differs from the pinned requirements"),
         (s2, "invariant-4", f"evidence of runner version 1 but the runner was at "
                             f"{w.runner.version}"),
-        (s2, "invariant-2", f"reserve of s2#1 at #{position} has no matching runner event"),
+        (s2, "invariant-2", f"reserve of s2#1 at #{position} has no matching CapacityReserved "
+                            "before the end of the log"),
     ]  # fmt: skip
     w.log.events.pop()
     stale = evidence(w, last_heartbeat_at=(T0 - timedelta(hours=1)).isoformat(), drain_phase="x")
@@ -823,7 +834,8 @@ def test_the_exact_report_of_each_fence_breach() -> None:
                             f"{decided.isoformat()}"),
         (s2, "invariant-4", "evidence drain_phase 'x' differs from the runner's 'active'"),
         (s2, "invariant-4", "evidence of lease version 9 not yet recorded"),
-        (s2, "invariant-2", f"reserve of s2#1 at #{position} has no matching runner event"),
+        (s2, "invariant-2", f"reserve of s2#1 at #{position} has no matching CapacityReserved "
+                            "before the end of the log"),
     ]  # fmt: skip
 
 

@@ -75,8 +75,8 @@ class Placed:
         return self.tokens[self.generation]
 
     def place(self) -> None:
-        wanted = place(self.sandbox, self.runner, self.lease, LATER)
-        self.tokens[self.generation] = wanted.fencing_token
+        made = place(self.sandbox, self.runner, self.lease, LATER)
+        self.tokens[self.generation] = made.request.fencing_token
 
     def release(self) -> None:
         record = self.sandbox.release(self.generation, self.token, PROOF, LATER)
