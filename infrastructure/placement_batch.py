@@ -36,8 +36,13 @@ from secondbox_scheduler.domain.errors import (
     SchedulerError,
     SerializationContentionError,
 )
-from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
-from secondbox_scheduler.domain.ids import lease_uuid, runner_uuid, sandbox_uuid
+from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse, token_sha256
+from secondbox_scheduler.domain.ids import (
+    fencing_token_uuid,
+    lease_uuid,
+    runner_uuid,
+    sandbox_uuid,
+)
 from secondbox_scheduler.domain.lease import RunnerLease
 from secondbox_scheduler.domain.refusals import OPERATION_SCHEDULE
 from secondbox_scheduler.domain.runner import Runner
@@ -190,6 +195,7 @@ class PlacementBatch:
                 clock=clock,
             )
         except PlacementError as error:  # the rules refused: evidence worth recording
+            self._refuse_a_used_token(request, sandbox.generation)
             decision.refusal = error
             raise
         assert request.now is not None
@@ -235,6 +241,16 @@ class PlacementBatch:
                 retry |= affected - reused
                 placing = [d for d in placing if d.index not in affected]
         return retry
+
+    def _refuse_a_used_token(self, request: ScheduleRequest, generation: int) -> None:
+        """Before a placement refusal: a token an earlier generation used makes the
+        request invalid whatever the runner's state (on success the save finds it)."""
+        digest = token_sha256(request.fencing_token.hex())
+        used = self.app._load(
+            fencing_token_uuid(request.sandbox_id, digest), FencingTokenUse, copy=False
+        )
+        if used is not None and used.generation != generation:
+            raise InvalidRequestError("fencing_token", TOKEN_REUSED)
 
     def _reused_token(self, decision: _Decision, changed: set[UUID]) -> bool:
         """Whether the save failed because an earlier generation used the request's token
