@@ -75,6 +75,7 @@ from secondbox_scheduler.infrastructure.settings import (
     clock_tolerance,
     settings_from_url,
 )
+from secondbox_scheduler.infrastructure.store_probe import probe_store
 from secondbox_scheduler.infrastructure.store_startup import (
     DEFAULT_CONNECT_TIMEOUT_SECONDS,
     check_sqlite,
@@ -243,12 +244,16 @@ class SchedulerApplication(Application[UUID]):
         one if None; pass ``prometheus_client.REGISTRY`` for the process-wide one), from
         now on; read-model lag and the log head are read at each scrape."""
         exporter = PrometheusMetrics(registry)
-        exporter.watch(self._read_model_status, self.head_position)
+        exporter.watch(self._read_model_status, self.head_position, self.probe_store)
         self.metrics.sink = exporter
         return exporter
 
     def _read_model_status(self) -> list[ProjectionStatus] | None:
         return None if self.read_models is None else self.read_models.status()
+
+    def probe_store(self) -> None:
+        """StoreUnavailableError unless the store answers now (one connection, no retries)."""
+        probe_store(self.env)
 
     @contextmanager
     def _opening(self, planned: Any) -> Iterator[None]:

@@ -151,9 +151,12 @@ class ReadModelCollector(Collector):
     """Read-model lag, positions and the log head, read from the store at each scrape.
     A store that cannot be read gives ``store_up 0`` and no lag (a scrape never fails)."""
 
-    def __init__(self, status: StatusReader, head: Callable[[], int]) -> None:
+    def __init__(
+        self, status: StatusReader, head: Callable[[], int], probe: Callable[[], None]
+    ) -> None:
         self.status = status
         self.head = head
+        self.probe = probe
 
     def describe(self) -> Iterable[Metric]:  # no store access at registration
         return self._families()
@@ -183,6 +186,7 @@ class ReadModelCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         lag, position, head, up = self._families()
         try:
+            self.probe()  # one connection, no retries: fast while the store is down
             statuses = self.status()
             head_position = self.head()
         except Exception as error:  # the store is down: say so, never fail the scrape
@@ -263,12 +267,17 @@ class PrometheusMetrics:
             self.reconcile_actions.labels(action)
         self._collector: ReadModelCollector | None = None
 
-    def watch(self, status: StatusReader, head: Callable[[], int]) -> None:
+    def watch(
+        self,
+        status: StatusReader,
+        head: Callable[[], int],
+        probe: Callable[[], None] = lambda: None,
+    ) -> None:
         """Export read-model lag and positions (``status``) and the log head (``head``),
-        read at every scrape."""
+        read at every scrape once ``probe`` found the store reachable."""
         if self._collector is not None:
             self.registry.unregister(self._collector)
-        self._collector = ReadModelCollector(status, head)
+        self._collector = ReadModelCollector(status, head, probe)
         self.registry.register(self._collector)
 
     # -- MetricsSink ----------------------------------------------------------

@@ -113,7 +113,7 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-def _retry_after(seconds: int) -> dict[str, Any]:
+def _retry_after() -> dict[str, Any]:
     return {
         "Retry-After": {
             "description": "Seconds to wait before retrying the same request.",
@@ -132,7 +132,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     503: {
         "model": ErrorResponse,
         "description": "Contention or an unavailable store; retry after Retry-After.",
-        "headers": _retry_after(RETRY_AFTER_CONTENTION),
+        "headers": _retry_after(),
     },
 }
 
@@ -207,9 +207,14 @@ def _validation_field(location: tuple[Any, ...]) -> str:
 
 def validation_error_response(error: RequestValidationError) -> JSONResponse:
     first = error.errors()[0]
-    rule = str(first.get("msg", "invalid"))
-    rule = rule.removeprefix("Value error, ")
+    rule = str(first.get("msg", "invalid")).removeprefix("Value error, ")
     field = _validation_field(tuple(first.get("loc", ())))
+    inner = (first.get("ctx") or {}).get("error")
+    if isinstance(inner, InvalidRequestError):  # a domain value type's own refusal
+        field = inner.field if field == "body" else f"{field}.{inner.field}"
+        rule = inner.rule
+    elif first.get("type") == "json_invalid":
+        field = "body"
     return error_json(
         422,
         ErrorDetail(

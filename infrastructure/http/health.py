@@ -1,7 +1,8 @@
 """``/healthz``, ``/readyz`` and ``/metrics``.
 
 - ``/healthz``: the process answers (liveness); it touches nothing else.
-- ``/readyz``: the store answers a query, and no read model lags the log by more than
+- ``/readyz``: the store answers (one fresh connection with the connect timeout, no
+  retries: :mod:`..store_probe`), and no read model lags the log by more than
   the threshold (``serve --max-read-model-lag``). Where queries catch the read models
   up themselves (``SECONDBOX_READ_MODELS=on``, the default), the probe catches them up
   first, as the next query would, and then measures; with ``external`` it only
@@ -25,6 +26,7 @@ from starlette.responses import Response
 from secondbox_scheduler.domain.errors import SchedulerError
 from secondbox_scheduler.infrastructure.http.common import Scheduler, respond
 from secondbox_scheduler.infrastructure.http.errors import RETRY_AFTER_STORE
+from secondbox_scheduler.infrastructure.store_startup import StoreUnavailableError
 
 router = APIRouter(tags=["operations"])
 
@@ -80,13 +82,15 @@ def readyz(request: Request, app: Scheduler) -> Response:
         mode = READ_MODELS_INLINE if app.catch_up_inline else READ_MODELS_EXTERNAL
     readiness = Readiness(ready=False, store="ok", read_models=mode, max_lag_events=threshold)
     try:
-        app.head_position()
+        app.probe_store()  # one connection, no retries: fast while the store is down
         if app.read_models is not None:
             if app.catch_up_inline:
                 app.current_read_models()
             readiness.projections = [
                 ReadModelLag(**status.to_dict()) for status in app.read_models.status()
             ]
+    except StoreUnavailableError as error:
+        readiness.store = f"unavailable: {error.reason}"
     except (SchedulerError, PersistenceError) as error:
         readiness.store = f"unavailable: {type(error).__name__}: {error}"
     else:

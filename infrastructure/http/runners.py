@@ -78,8 +78,8 @@ def get_runner(runner_id: RunnerId, app: Scheduler) -> Response:
 
 @router.delete("/{runner_id}", response_model=Deregistered, summary="Deregister a runner")
 def deregister_runner(runner_id: RunnerId, app: Scheduler) -> Response:
-    """Refused (409 ``capacity_exceeded``) while anything is reserved on the runner; a
-    repeat is 404 ``runner_not_found`` (the runner is gone)."""
+    """Refused (409 ``conflict``) while anything is reserved on the runner; a repeat is
+    404 ``runner_not_found`` (the runner is gone)."""
     app.deregister_runner(runner_id)
     return respond(Deregistered(runner_id=runner_id))
 
