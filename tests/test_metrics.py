@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -19,7 +20,6 @@ from tests.factories import (
     create_sandbox,
     materialization,
     register,
-    requirements,
     schedule_request,
 )
 from tests.http_helpers import api_client, heartbeat_body, runner_body, sandbox_body, schedule_body
@@ -44,18 +44,11 @@ def test_an_embedder_counts_on_its_own_registry(store: Store, clock: Clock) -> N
     request = schedule_request("s1", clock())
     app.schedule(request)
     app.schedule(request)  # a replay
-    try:
-        app.create_sandbox(
-            sandbox_id="s3", workspace_id="w", profile_revision_id="p",
-            requirements=requirements(architecture="aarch64"), heartbeat_timeout=timedelta(seconds=30),
-        )  # fmt: skip
-    except NoCompatibleRunnerError:
-        pass
+    with pytest.raises(NoCompatibleRunnerError):
+        create_sandbox(app, "s3", architecture="aarch64")
     app.start_drain("r1")
-    try:
+    with pytest.raises(HomeRunnerUnavailableError):
         app.schedule(schedule_request("s2", clock()))
-    except HomeRunnerUnavailableError:
-        pass
 
     assert sample(registry, "placements_total") == 1
     assert sample(registry, "replays_total") == 1
@@ -95,10 +88,8 @@ def test_contention_retries_and_errors_are_counted(store: Store, clock: Clock) -
     register(app, "r1", at=clock())
     create_sandbox(app, "s1")
     app.save = Interfering(app, rival, times=2)  # type: ignore[method-assign]
-    try:
+    with pytest.raises(SerializationContentionError):
         app.schedule(schedule_request("s1", clock(), serialization_retry_limit=1))
-    except SerializationContentionError:
-        pass
     assert sample(exporter.registry, "contention_retries_total") == 1
     assert sample(exporter.registry, "contention_errors_total") == 1
     assert (
@@ -154,7 +145,9 @@ def test_the_service_serves_its_registry_with_request_durations_by_route(
         s for s in families[P + "http_request_duration_seconds"].samples
         if s.name.endswith("_count")
     ]  # fmt: skip
-    routes = {(s.labels["method"], s.labels["route"], s.labels["status"]): s.value for s in requests}
+    routes = {
+        (s.labels["method"], s.labels["route"], s.labels["status"]): s.value for s in requests
+    }
     assert routes[("POST", "/v1/sandboxes/{sandbox_id}/schedule", "201")] == 1
     assert routes[("GET", "/v1/runners/{runner_id}", "404")] == 1
     assert all(route.startswith("/") or route == "unmatched" for _, route, _ in routes)
