@@ -37,7 +37,10 @@ def test_an_embedder_counts_on_its_own_registry(store: Store, clock: Clock) -> N
     registry = CollectorRegistry()
     app = store.open(metrics_registry=registry)
     register(app, "r1", at=clock())  # its heartbeat records evidence
-    evidence: dict[str, Any] = {"artifact_digests": [RUNTIME], "materializations": [materialization()]}
+    evidence: dict[str, Any] = {
+        "artifact_digests": [RUNTIME],
+        "materializations": [materialization()],
+    }
     app.record_heartbeat(runner_id="r1", at=clock(), **evidence)  # coalesced
     app.record_heartbeat(runner_id="r1", at=clock() - timedelta(seconds=1), **evidence)  # stale
     create_sandbox(app, "s1")
