@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-SECTIONS = ("raw", "placement", "contention", "selection", "history", "replay")
+SECTIONS = ("raw", "placement", "contention", "http", "selection", "history", "replay")
 
 Progress = Callable[[str], None]
 

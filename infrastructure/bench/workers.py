@@ -23,12 +23,13 @@ import queue
 import time
 import traceback
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from uuid import UUID
 
 from eventsourcing.application import Application
@@ -41,7 +42,11 @@ from secondbox_scheduler.domain.errors import (
 )
 from secondbox_scheduler.domain.ids import lease_uuid, runner_uuid
 from secondbox_scheduler.infrastructure.bench.errors import BenchError
-from secondbox_scheduler.infrastructure.bench.fleet import bench_requirements, schedule_request
+from secondbox_scheduler.infrastructure.bench.fleet import (
+    bench_requirements,
+    fresh_times,
+    schedule_request,
+)
 from secondbox_scheduler.infrastructure.bench.timing import percentile
 from secondbox_scheduler.infrastructure.settings import DATABASE_URL, settings_from_url
 
@@ -103,7 +108,14 @@ class ScheduleJob:
     serialization_retry_limit: int
 
 
-Job = RawJob | ScheduleJob
+class ExternalJob(Protocol):
+    """A job that runs itself (``bench/over_http.py``): set up untimed, wait at the
+    barrier, run the timed loop, return the worker's result."""
+
+    def run(self, index: int, barrier: Barrier) -> WorkerResult: ...
+
+
+Job = RawJob | ScheduleJob | ExternalJob
 
 
 @dataclass
@@ -232,7 +244,8 @@ def _run_schedule(
     cpu_before = machine_cpu_seconds()
     started = finished = time.perf_counter()
     deadline = math.inf if job.seconds is None else started + job.seconds
-    for request in requests:
+    for prepared_request in requests:
+        request = fresh_times(prepared_request)  # prepared long ago on a loaded machine
         before = time.perf_counter()
         try:
             _, created = app.schedule(request)
@@ -276,8 +289,10 @@ def worker_main(
             try:
                 if isinstance(job, RawJob):
                     result: WorkerResult | str = _run_raw(index, job, state, barrier)
-                else:
+                elif isinstance(job, ScheduleJob):
                     result = _run_schedule(index, job, state, barrier)
+                else:
+                    result = job.run(index, barrier)
             except Exception as error:
                 barrier.abort()
                 result = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
@@ -311,7 +326,7 @@ class WorkerPool:
         for process in self._processes:
             process.start()
 
-    def run(self, jobs: list[Job], timeout: float = 3600.0) -> list[WorkerResult]:
+    def run(self, jobs: Sequence[Job], timeout: float = 3600.0) -> list[WorkerResult]:
         """Give job i to worker i; wait for every result (in worker order)."""
         if len(jobs) != self.workers:
             raise BenchError(f"{len(jobs)} jobs for {self.workers} workers")

@@ -239,6 +239,17 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http_error(_: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, StarletteHTTPException)
+        if error.status_code == 400:  # a body that is not even JSON text (bad UTF-8)
+            return error_json(
+                422,
+                ErrorDetail(
+                    code="invalid_request",
+                    message=f"SecondBox scheduler invalid request: body: {error.detail}",
+                    retryable=False,
+                    field="body",
+                    rule=f"must be JSON text in UTF-8 ({error.detail})",
+                ),
+            )
         code = HTTP_CODES.get(error.status_code, "http_error")
         return error_json(
             error.status_code,
