@@ -226,6 +226,8 @@ def test_three_serve_processes_on_one_database_behave_as_replicas(
         stop.set()
         beating.join()
 
+    print(f"placements {tally.created}; answers {sorted(tally.statuses.items())}; "
+          f"refusals {dict(tally.refused)}")  # fmt: skip
     assert tally.created == len(tally.placed) > RUNNERS * 3, tally  # more than one round
     app = SchedulerApplication(env=postgres_schema.env())
     try:
