@@ -5,9 +5,13 @@ a refused request."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -16,6 +20,8 @@ import pytest
 
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit_replay import verify
+from secondbox_scheduler.infrastructure.http import create_app
+from secondbox_scheduler.infrastructure.http.server import serving_in_thread
 from tests.conftest import Clock, Store
 from tests.factories import only_refusals_since, topics_since
 from tests.http_helpers import (
@@ -30,6 +36,8 @@ from tests.http_helpers import (
     token_hex,
 )
 from tests.test_concurrency import Interfering
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 def prepare(client: httpx.Client, clock: Clock, *sandboxes: str) -> None:
@@ -351,3 +359,34 @@ def test_readiness_judges_the_read_models_lag(store: Store, clock: Clock) -> Non
         ready = client.get("/readyz").json()
         assert ready["read_models"] == "inline"
         assert ready["ready"] is True
+
+
+def test_the_curl_client_of_the_docs_runs_against_the_service(tmp_path: Path) -> None:
+    """docs/examples/curl-client.sh, as operations.md shows it (system clock, SQLite)."""
+    curl = shutil.which("curl")
+    assert curl is not None, "the documented client needs curl (apt-get install curl)"
+    app = SchedulerApplication(env={"SECONDBOX_DATABASE_URL": f"sqlite:///{tmp_path}/c.db"})
+    try:
+        with serving_in_thread(create_app(app)) as url:
+            done = subprocess.run(
+                ["bash", str(DOCS / "examples" / "curl-client.sh"), url],
+                env={**os.environ, "SANDBOX": "sbx-docs"},
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+    finally:
+        app.close()
+    assert done.returncode == 0, done.stdout + done.stderr
+    answers = [line for line in done.stdout.splitlines() if " -> " in line]
+    assert answers == [
+        "POST /v1/runners -> 201",
+        "POST /v1/runners/runner-1/heartbeat -> 200",
+        "POST /v1/sandboxes -> 201",
+        "POST /v1/sandboxes/sbx-docs/schedule -> 201",
+        "POST /v1/sandboxes/sbx-docs/schedule -> 200",
+        "POST /v1/sandboxes/sbx-docs/generations/1/running -> 200",
+        "POST /v1/sandboxes/sbx-docs/generations/1/release -> 200",
+        "POST /v1/sandboxes/sbx-docs/generations/1/advance -> 200",
+    ]
+    assert app.metrics.placements == 1

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+from types import FrameType
 from typing import Annotated
 
 import typer
@@ -29,7 +31,8 @@ SERVE_HELP = (
     "Serve the scheduler over HTTP/JSON: every command and query under /v1 (runners, "
     "sandboxes, assignments, explain, timeline), the OpenAPI document at /openapi.json, "
     "/healthz, /readyz and /metrics (Prometheus). Several serve processes on one "
-    "PostgreSQL database are replicas. Stops on Ctrl-C or SIGTERM. See docs/operations.md, "
+    "PostgreSQL database are replicas. Stops on Ctrl-C or SIGTERM (after the requests in "
+    "flight). See docs/operations.md, "
     '"The HTTP service".\n\n'
     "[bold]Examples[/bold]\n\n"
     "  secondbox-scheduler serve --database-url postgresql://postgres@127.0.0.1:5432/sched\n"
@@ -96,9 +99,16 @@ def serve(
             sys.stdout.flush()
         else:
             say_listening(url, database_url)
+        # uvicorn shuts down gracefully on SIGTERM, then raises it again: end then with
+        # exit code 0 and the store closed, as after Ctrl-C (which exits with 130).
+        signal.signal(signal.SIGTERM, _exit_cleanly)
         make_server(app, sock, log_level=log_level, access_log=access_log).run(sockets=[sock])
     finally:
         scheduler.close()
+
+
+def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
 
 
 def say_listening(url: str, database_url: str) -> None:
