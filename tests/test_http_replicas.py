@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,15 +26,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from typer.testing import CliRunner
 
 from secondbox_scheduler.domain import Capacity
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit_replay import verify
+from secondbox_scheduler.infrastructure.cli import cli
 from tests.http_helpers import (
     capacity_body,
     heartbeat_body,
@@ -254,3 +258,24 @@ def test_three_serve_processes_on_one_database_behave_as_replicas(
     assert placements == tally.created
     assert replays >= tally.created  # every placement's twin request was answered as a replay
     assert tally.statuses[("schedule", 201)] == tally.created
+
+
+def test_serve_says_in_one_line_when_it_cannot_start(tmp_path: Path) -> None:
+    help_text = CliRunner().invoke(cli, ["serve", "--help"]).output
+    assert "secondbox-scheduler serve --port 0 --json" in help_text
+    unreachable = CliRunner().invoke(
+        cli, ["serve", "--database-url", "postgresql://postgres@127.0.0.1:1/postgres"]
+    )
+    assert unreachable.exit_code == 2
+    assert unreachable.stderr.count("\n") == 1
+    assert "store unavailable" in unreachable.stderr
+    assert "connection refused" in unreachable.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = str(taken.getsockname()[1])
+        busy = CliRunner().invoke(
+            cli, ["serve", "--port", port, "--database-url", f"sqlite:///{tmp_path}/s.db"]
+        )
+    assert busy.exit_code == 2
+    assert busy.stderr.startswith(f"error: cannot listen on 127.0.0.1:{port}")
