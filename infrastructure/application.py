@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from secondbox_scheduler.domain.errors import (
     SandboxNotFoundError,
     SerializationContentionError,
 )
-from secondbox_scheduler.domain.evidence import Unlisted, reason_keys
+from secondbox_scheduler.domain.evidence import Unlisted
 from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
 from secondbox_scheduler.domain.ids import lease_uuid, refusal_log_uuid, runner_uuid, sandbox_uuid
 from secondbox_scheduler.domain.lease import RunnerLease
@@ -63,7 +62,12 @@ from secondbox_scheduler.domain.values import (
     require_text,
 )
 from secondbox_scheduler.infrastructure.fast_forward import fast_forward_pair, load_uncached
-from secondbox_scheduler.infrastructure.metrics import MetricsSink, PrometheusMetrics, measured
+from secondbox_scheduler.infrastructure.metrics import (
+    MetricsSink,
+    PrometheusMetrics,
+    measured,
+    refusal_reasons,
+)
 from secondbox_scheduler.infrastructure.settings import (
     CLOCK_TOLERANCE_SECONDS,
     DATABASE_URL,
@@ -157,10 +161,7 @@ class SchedulerMetrics:
     def refusal(self, operation: str, error: PlacementError) -> None:
         """A refused placement: once per call, and per reason key the runners refusing
         (as ``simulate`` counts them: capacity per dimension, unlisted runners too)."""
-        reasons: Counter[str] = Counter()
-        for evaluation in error.evaluations:
-            reasons.update(reason_keys(evaluation))
-        reasons.update({key: n for key, n in error.unlisted.reasons.items() if n > 0})
+        reasons = refusal_reasons(error)
         key = (operation, type(error).__name__)
         with self._lock:
             self.refusals[key] = self.refusals.get(key, 0) + 1

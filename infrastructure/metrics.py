@@ -31,11 +31,13 @@ Metrics (all prefixed ``secondbox_scheduler_``):
 ``store_up``                                       1 when the scrape could read the store
 =================================================  ==========================================
 
-:func:`measured` is the decorator that times a command of the application.
+:func:`measured` is the decorator that times a command of the application;
+:func:`refusal_reasons` counts a refused placement's reasons.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import time
@@ -46,7 +48,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from secondbox_scheduler.domain.errors import SchedulerError
+from secondbox_scheduler.domain.errors import PlacementError, SchedulerError
+from secondbox_scheduler.domain.evidence import reason_keys
 from secondbox_scheduler.domain.lease import (
     OBSERVED_COALESCED,
     OBSERVED_EVIDENCE,
@@ -126,6 +129,17 @@ def measured(
         return timed
 
     return decorate
+
+
+def refusal_reasons(error: PlacementError) -> collections.Counter[str]:
+    """Runners refusing a placement, per reason key (a code, or ``capacity:<dimension>``),
+    counting the runners refused without a record of their own too: as ``simulate``
+    counts them."""
+    reasons: collections.Counter[str] = collections.Counter()
+    for evaluation in error.evaluations:
+        reasons.update(reason_keys(evaluation))
+    reasons.update({key: n for key, n in error.unlisted.reasons.items() if n > 0})
+    return reasons
 
 
 class MetricsSink(Protocol):

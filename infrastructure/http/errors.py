@@ -29,7 +29,6 @@ store (``connection-refused``, ``timeout``, ...); ``reasons`` for a refused plac
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 from eventsourcing.persistence import InterfaceError, OperationalError
@@ -61,7 +60,7 @@ from secondbox_scheduler.domain.errors import (
     SerializationContentionError,
     StaleFenceError,
 )
-from secondbox_scheduler.domain.evidence import reason_keys
+from secondbox_scheduler.infrastructure.metrics import refusal_reasons
 from secondbox_scheduler.infrastructure.store_startup import StoreUnavailableError
 
 RETRY_AFTER_CONTENTION = 1  # seconds; a lost race clears within milliseconds
@@ -159,14 +158,6 @@ def classify(error: BaseException) -> tuple[int, str] | None:
     return None
 
 
-def _placement_reasons(error: PlacementError) -> dict[str, int]:
-    reasons: Counter[str] = Counter()
-    for evaluation in error.evaluations:
-        reasons.update(reason_keys(evaluation))
-    reasons.update({key: n for key, n in error.unlisted.reasons.items() if n > 0})
-    return dict(sorted(reasons.items()))
-
-
 def scheduler_error_response(error: Exception) -> JSONResponse:
     """The answer to an exception a command or query raised; anything not classified is
     a fault (500, no detail shown; the server logs its traceback)."""
@@ -186,7 +177,7 @@ def scheduler_error_response(error: Exception) -> JSONResponse:
     if isinstance(error, InvalidRequestError):
         detail.field, detail.rule = error.field, error.rule
     elif isinstance(error, PlacementError):
-        detail.reasons = _placement_reasons(error)
+        detail.reasons = dict(sorted(refusal_reasons(error).items()))
     elif isinstance(error, StoreUnavailableError):
         detail.reason = error.reason
         headers["Retry-After"] = str(RETRY_AFTER_STORE)
