@@ -8,7 +8,8 @@
 # sandbox, schedules its current generation (and sends the same request again: a
 # replay), reports it running, releases it with proof and advances the generation.
 # Every request prints "METHOD PATH -> STATUS" and the answer. A 503 is retried after
-# its Retry-After; any other failure stops the script (exit 1). Needs bash, curl, date, od.
+# its Retry-After; any other failure stops the script (exit 1). Needs bash, curl, GNU date
+# and od.
 set -euo pipefail
 BASE=${1:-http://127.0.0.1:8080}
 RUNNER=${RUNNER:-runner-1}
