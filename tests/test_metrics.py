@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from secondbox_scheduler.domain import HomeRunnerUnavailableError, NoCompatibleRunnerError
 from secondbox_scheduler.domain.errors import SerializationContentionError
 from secondbox_scheduler.infrastructure import SchedulerApplication
+from secondbox_scheduler.infrastructure.http import create_app
 from secondbox_scheduler.infrastructure.reconciler import Reconciler
 from tests.conftest import Clock, Store
 from tests.factories import (
@@ -156,3 +157,14 @@ def test_the_service_serves_its_registry_with_request_durations_by_route(
     assert routes[("GET", "/v1/runners/{runner_id}", "404")] == 1
     assert all(route.startswith("/") or route == "unmatched" for _, route, _ in routes)
     assert not any("nobody" in route or "s1" in route for _, route, _ in routes)
+
+
+def test_two_services_over_one_scheduler_share_its_registry(store: Store, clock: Clock) -> None:
+    scheduler = store.open()
+    first, second = create_app(scheduler), create_app(scheduler)
+    assert first.state.registry is second.state.registry
+    with api_client(scheduler) as client:  # a third, served
+        assert client.post("/v1/runners", json=runner_body("r1")).status_code == 201
+        assert (
+            "secondbox_scheduler_http_request_duration_seconds_count" in client.get("/metrics").text
+        )

@@ -9,7 +9,9 @@ raw path, so ids do not become label values; unmatched paths count as ``unmatche
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 
 from prometheus_client import CollectorRegistry, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -19,15 +21,26 @@ from secondbox_scheduler.infrastructure.metrics import DURATION_BUCKETS, NAMESPA
 UNMATCHED = "unmatched"
 
 
+_HISTOGRAMS: weakref.WeakKeyDictionary[CollectorRegistry, Histogram] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
 def request_histogram(registry: CollectorRegistry) -> Histogram:
-    return Histogram(
-        "http_request_duration_seconds",
-        "Duration of HTTP requests, by method, route template and status code.",
-        ["method", "route", "status"],
-        namespace=NAMESPACE,
-        registry=registry,
-        buckets=DURATION_BUCKETS,
-    )
+    """The request histogram of ``registry``, made on first use (several applications
+    over one scheduler share its registry, and a name registers only once)."""
+    with _LOCK:
+        histogram = _HISTOGRAMS.get(registry)
+        if histogram is None:
+            histogram = Histogram(
+                "http_request_duration_seconds",
+                "Duration of HTTP requests, by method, route template and status code.",
+                ["method", "route", "status"],
+                namespace=NAMESPACE,
+                registry=registry,
+                buckets=DURATION_BUCKETS,
+            )
+            _HISTOGRAMS[registry] = histogram
+        return histogram
 
 
 class RequestMetrics:
