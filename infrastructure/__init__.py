@@ -1,6 +1,6 @@
 """Infrastructure: the application service and persistence wiring; the command line
-(``cli``) and the tools (``simulation``, ``bench``, ``fault_injection``) are
-subpackages of their own."""
+(``cli``), the HTTP service (``http``) and the tools (``simulation``, ``bench``,
+``fault_injection``) are subpackages of their own."""
 
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.postgres_store import PostgresStore, PostgresStoreConfig

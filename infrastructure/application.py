@@ -23,6 +23,7 @@ from eventsourcing.application import AggregateNotFoundError, Application, Proce
 from eventsourcing.domain import Snapshot
 from eventsourcing.persistence import IntegrityError
 from eventsourcing.utils import EnvType, strtobool
+from prometheus_client import CollectorRegistry
 
 from secondbox_scheduler.domain.assignment import to_durable_assignment
 from secondbox_scheduler.domain.errors import (
@@ -60,6 +61,12 @@ from secondbox_scheduler.domain.values import (
     require_text,
 )
 from secondbox_scheduler.infrastructure.batcher import DEFAULT_BATCH_SIZE, PlacementBatcher
+from secondbox_scheduler.infrastructure.metrics import (
+    MetricsSink,
+    PrometheusMetrics,
+    measured,
+    refusal_reasons,
+)
 from secondbox_scheduler.infrastructure.placement_batch import PlacementBatch
 from secondbox_scheduler.infrastructure.settings import (
     BATCH_SIZE,
@@ -76,6 +83,7 @@ from secondbox_scheduler.infrastructure.settings import (
     clock_tolerance,
     settings_from_url,
 )
+from secondbox_scheduler.infrastructure.store_probe import probe_store
 from secondbox_scheduler.infrastructure.store_startup import (
     DEFAULT_CONNECT_TIMEOUT_SECONDS,
     check_sqlite,
@@ -84,7 +92,11 @@ from secondbox_scheduler.infrastructure.store_startup import (
 )
 from secondbox_scheduler.projections.candidates import home_candidates
 from secondbox_scheduler.projections.event_log import count_events, last_versions
-from secondbox_scheduler.projections.read_models import ReadModels, supports_read_models
+from secondbox_scheduler.projections.read_models import (
+    ProjectionStatus,
+    ReadModels,
+    supports_read_models,
+)
 from secondbox_scheduler.projections.runner_index import RunnerIndex
 
 T = TypeVar("T")
@@ -120,7 +132,9 @@ def backoff_ceiling(retry: int) -> float:
 
 @dataclass
 class SchedulerMetrics:
-    """Counters of one application instance (thread-safe)."""
+    """Counters of one application instance (thread-safe). An exporter attached as
+    ``sink`` (:meth:`SchedulerApplication.attach_metrics`: Prometheus, see
+    :mod:`.metrics`) is told every count and command duration as it happens."""
 
     placements: int = 0
     replays: int = 0
@@ -129,19 +143,60 @@ class SchedulerMetrics:
     contention_errors: int = 0
     heartbeats: dict[str, int] = field(default_factory=dict)
     batch_sizes: dict[int, int] = field(default_factory=dict)  # placement batches by size
+    refusals: dict[tuple[str, str], int] = field(default_factory=dict)  # (operation, error)
+    refusal_reasons: dict[tuple[str, str], int] = field(default_factory=dict)  # runners refusing
+    reconcile_actions: dict[str, int] = field(default_factory=dict)
+    commands: dict[tuple[str, str], int] = field(default_factory=dict)  # (command, outcome)
+    placement_batches: int = 0
+    sink: MetricsSink | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, name: str, amount: int = 1) -> None:
         with self._lock:
             setattr(self, name, getattr(self, name) + amount)
+        if self.sink is not None:
+            self.sink.count(name, amount)
 
     def heartbeat(self, outcome: str) -> None:
         with self._lock:
             self.heartbeats[outcome] = self.heartbeats.get(outcome, 0) + 1
+        if self.sink is not None:
+            self.sink.heartbeat(outcome)
+
+    def refusal(self, operation: str, error: PlacementError) -> None:
+        """A refused placement: once per call, and per reason key the runners refusing
+        (as ``simulate`` counts them: capacity per dimension, unlisted runners too)."""
+        reasons = refusal_reasons(error)
+        key = (operation, type(error).__name__)
+        with self._lock:
+            self.refusals[key] = self.refusals.get(key, 0) + 1
+            for reason, runners in reasons.items():
+                self.refusal_reasons[(operation, reason)] = (
+                    self.refusal_reasons.get((operation, reason), 0) + runners
+                )
+        if self.sink is not None:
+            self.sink.refusal(operation, key[1], reasons)
+
+    def reconcile(self, action: str) -> None:
+        with self._lock:
+            self.reconcile_actions[action] = self.reconcile_actions.get(action, 0) + 1
+        if self.sink is not None:
+            self.sink.reconcile(action)
+
+    def command(self, command: str, outcome: str, seconds: float) -> None:
+        """One command's outcome (``ok``, ``refused``, ``error``) and duration."""
+        with self._lock:
+            self.commands[(command, outcome)] = self.commands.get((command, outcome), 0) + 1
+        if self.sink is not None:
+            self.sink.command(command, outcome, seconds)
 
     def batch(self, size: int) -> None:
+        """One placement batch decided and committed, with its number of requests."""
         with self._lock:
+            self.placement_batches += 1
             self.batch_sizes[size] = self.batch_sizes.get(size, 0) + 1
+        if self.sink is not None:
+            self.sink.batch(size)
 
 
 class SchedulerApplication(Application[UUID]):
@@ -165,7 +220,11 @@ class SchedulerApplication(Application[UUID]):
         *,
         sleep: Callable[[float], None] = time.sleep,
         rng: random.Random | None = None,
+        metrics_registry: CollectorRegistry | None = None,
     ) -> None:
+        """``metrics_registry``: export this application's metrics to that Prometheus
+        registry (:meth:`attach_metrics`); by default they are only counted in
+        ``self.metrics``."""
         self._now = now or system_now
         self._sleep = sleep
         self._rng = rng or random.Random()
@@ -193,6 +252,24 @@ class SchedulerApplication(Application[UUID]):
                     ),
                     wait=batch_setting(self.env.get(BATCH_WAIT_MS), 0, BATCH_WAIT_MS) / 1000,
                 )
+            if metrics_registry is not None:
+                self.attach_metrics(metrics_registry)
+
+    def attach_metrics(self, registry: CollectorRegistry | None = None) -> PrometheusMetrics:
+        """Export the metrics of this application (:mod:`.metrics`) to ``registry`` (a new
+        one if None; pass ``prometheus_client.REGISTRY`` for the process-wide one), from
+        now on; read-model lag and the log head are read at each scrape."""
+        exporter = PrometheusMetrics(registry)
+        exporter.watch(self._read_model_status, self.head_position, self.probe_store)
+        self.metrics.sink = exporter
+        return exporter
+
+    def _read_model_status(self) -> list[ProjectionStatus] | None:
+        return None if self.read_models is None else self.read_models.status()
+
+    def probe_store(self) -> None:
+        """StoreUnavailableError unless the store answers now (one connection, no retries)."""
+        probe_store(self.env)
 
     @contextmanager
     def _opening(self, planned: Any) -> Iterator[None]:
@@ -316,6 +393,7 @@ class SchedulerApplication(Application[UUID]):
 
     # -- runner side ----------------------------------------------------------
 
+    @measured("register_runner")
     def register_runner(
         self,
         *,
@@ -364,6 +442,7 @@ class SchedulerApplication(Application[UUID]):
         except IntegrityError:
             raise AlreadyExistsError(f"runner {runner_id!r} is already registered") from None
 
+    @measured("record_heartbeat")
     def record_heartbeat(
         self,
         *,
@@ -407,20 +486,24 @@ class SchedulerApplication(Application[UUID]):
         self.metrics.heartbeat(outcome)
         return outcome
 
+    @measured("start_drain")
     def start_drain(self, runner_id: str) -> None:
         require_text("runner_id", runner_id)
         self._update_runner(runner_id, lambda runner, at: runner.start_drain(at))
 
+    @measured("cancel_drain")
     def cancel_drain(self, runner_id: str) -> None:
         require_text("runner_id", runner_id)
         self._update_runner(runner_id, lambda runner, at: runner.cancel_drain(at))
 
+    @measured("change_allocatable")
     def change_allocatable(self, runner_id: str, allocatable: Capacity | Mapping[str, int]) -> None:
         """Change what the runner offers; refused below what is reserved."""
         require_text("runner_id", runner_id)
         wanted = _as_capacity("allocatable", allocatable)
         self._update_runner(runner_id, lambda runner, at: runner.change_allocatable(wanted, at))
 
+    @measured("deregister_runner")
     def deregister_runner(self, runner_id: str) -> None:
         """Remove a runner; refused while anything is reserved on it."""
         require_text("runner_id", runner_id)
@@ -428,6 +511,7 @@ class SchedulerApplication(Application[UUID]):
 
     # -- sandbox side ---------------------------------------------------------
 
+    @measured("create_sandbox")
     def create_sandbox(
         self,
         *,
@@ -496,6 +580,7 @@ class SchedulerApplication(Application[UUID]):
         """Record a refused placement as evidence (best effort: it never changes the
         outcome; a lost race is retried a few times, then the record is dropped).
         ``requirements``: a refused creation's, so that it can be replayed."""
+        self.metrics.refusal(operation, error)
         for _ in range(4):
             log = self._load(refusal_log_uuid(sandbox_id), RefusalLog) or RefusalLog.open(
                 sandbox_id, decided_at
@@ -538,6 +623,7 @@ class SchedulerApplication(Application[UUID]):
             raise RunnerNotFoundError(runner_id)
         return runner
 
+    @measured("schedule")
     def schedule(self, request: ScheduleRequest) -> tuple[DurableAssignment, bool]:
         """Serialize one sandbox generation and reserve capacity on its home runner.
 
@@ -637,12 +723,14 @@ class SchedulerApplication(Application[UUID]):
                 )
         _require_timeout(request.heartbeat_timeout)
 
+    @measured("mark_running")
     def mark_running(self, sandbox_id: str, generation: int, fencing_token: bytes) -> None:
         _require_fence(sandbox_id, generation, fencing_token)
         self._update_sandbox(
             sandbox_id, lambda sandbox, at: sandbox.mark_running(generation, fencing_token, at)
         )
 
+    @measured("release")
     def release(
         self,
         sandbox_id: str,
@@ -676,6 +764,7 @@ class SchedulerApplication(Application[UUID]):
             attempt, retries=COMMAND_RETRY_LIMIT, subject=f"sandbox {sandbox_id!r}"
         )
 
+    @measured("fail")
     def fail(
         self, sandbox_id: str, generation: int, fencing_token: bytes, failure_class: str
     ) -> DurableAssignment:
@@ -689,6 +778,7 @@ class SchedulerApplication(Application[UUID]):
         assert assignment is not None
         return assignment
 
+    @measured("claim_reconcile")
     def claim_reconcile(
         self, sandbox_id: str, generation: int, owner: str, until: datetime
     ) -> bool:
@@ -704,6 +794,7 @@ class SchedulerApplication(Application[UUID]):
             sandbox_id, lambda sandbox, at: sandbox.claim_reconcile(generation, owner, until, at)
         )
 
+    @measured("record_reconcile")
     def record_reconcile(
         self,
         sandbox_id: str,
@@ -722,7 +813,9 @@ class SchedulerApplication(Application[UUID]):
                 decision.next_reconcile_at, at,
             ),
         )  # fmt: skip
+        self.metrics.reconcile(decision.action)
 
+    @measured("release_reconcile_claim")
     def release_reconcile_claim(self, sandbox_id: str, generation: int, owner: str) -> bool:
         _require_generation(sandbox_id, generation)
         require_text("owner", owner)
@@ -730,6 +823,7 @@ class SchedulerApplication(Application[UUID]):
             sandbox_id, lambda sandbox, at: sandbox.release_reconcile_claim(generation, owner, at)
         )
 
+    @measured("advance_generation")
     def advance_generation(self, sandbox_id: str, generation: int) -> int:
         """Move to generation + 1 (only after release); returns the new generation."""
         _require_generation(sandbox_id, generation)

@@ -111,6 +111,11 @@ def test_quick_bench_on_sqlite_reports_every_section_and_goal(quick: QuickRun) -
         == contention["sandboxes"]
     )
 
+    over_http = report["http"]  # the placement run through serve processes
+    assert_throughput(over_http, "placed")
+    assert over_http["outcomes"].keys() <= {"placed", "contention_error"}
+    assert over_http["replicas"] == report["settings"]["workers"]
+
     rows = report["selection"]["rows"]
     assert [row["runners"] for row in rows] == list(BenchSettings.make(quick=True).selection_sizes)
     for row in rows:
@@ -161,7 +166,7 @@ def test_quick_bench_on_postgres_works_in_a_schema_it_drops(
         "--database-url",
         postgres_server.url(),
         "--only",
-        "raw,placement,contention,batched,row_lock",
+        "raw,placement,contention,batched,row_lock,http",
         "--workers",
         "2",
         "--runners",
@@ -174,6 +179,7 @@ def test_quick_bench_on_postgres_works_in_a_schema_it_drops(
     assert report["machine"]["database"].startswith("PostgreSQL")
     assert_throughput(report["placement"], "placed")
     assert report["contention"]["hot_runner_state"]["oversubscribed_runners"] == 0
+    assert_throughput(report["http"], "placed")
     assert not {"selection", "history", "replay"} & report.keys()
     row_lock = report["row_lock"]
     assert_throughput(row_lock, "placed")
@@ -197,7 +203,7 @@ def test_the_tables_show_every_measurement_and_goal(quick: QuickRun) -> None:
     console = Console(record=True, width=200)
     print_report(quick.report, console)
     text = console.export_text()
-    for heading in ("Throughput", "Selection", "Loading a runner", "Replay", "Goals"):
+    for heading in ("Throughput", "over HTTP", "Selection", "Loading a runner", "Replay", "Goals"):
         assert heading in text
     for goal in GOALS:
         assert goal in text

@@ -14,11 +14,14 @@ server, dropped at the end), then measures, in this order:
    on 4 hot runners whose capacity runs out just before the sandboxes do (room for 95%):
    goodput, retries, contention errors, ratio to (2), and reserved <= allocatable on
    the hot runners at the end;
-4. **selection**: ``domain.placement.select_runner`` and end-to-end
+4. **http**: the placement run again, over HTTP: W ``serve`` processes, one client
+   worker each (:mod:`.over_http`): schedules per second and client-side latency
+   percentiles beside the in-process figures;
+5. **selection**: ``domain.placement.select_runner`` and end-to-end
    ``SchedulerApplication.create_sandbox`` over pools of 100, 1,000 and 10,000 runners;
-5. **history**: loading a runner after 10, 1,000 and 100,000 of its events
+6. **history**: loading a runner after 10, 1,000 and 100,000 of its events
    (:func:`history.measure_history`);
-6. **replay**: projection rebuild and ``audit verify`` events per second beside the
+7. **replay**: projection rebuild and ``audit verify`` events per second beside the
    raw rate of reading the same notifications with the recorder alone.
 
 (Replay runs before history, so the log it replays holds the scheduler's own events
@@ -30,8 +33,9 @@ Figures are printed as tables (or JSON) with each goal as met or not met.
 
 Modules, by job: ``settings`` (sections, sizes), ``database`` (the fresh database,
 machine info), ``fleet`` (setup), ``workers`` (worker processes, raw baseline),
-``timing`` (median, percentile), ``throughput`` (1-3), ``selection`` (4), ``history``
-(5), ``replay`` (6), ``goals``, ``report`` (the tables) and ``run`` (:func:`run_bench`).
+``timing`` (median, percentile), ``throughput`` (1-3), ``over_http`` (4), ``selection``
+(5), ``history`` (6), ``replay`` (7), ``goals``, ``report`` (the tables) and ``run``
+(:func:`run_bench`).
 """
 
 from secondbox_scheduler.infrastructure.bench.errors import BenchError

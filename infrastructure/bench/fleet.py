@@ -18,7 +18,7 @@ import hashlib
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from secondbox_scheduler.domain.lease import RunnerLease
@@ -205,6 +205,26 @@ def fencing_token(seed: int, sandbox_id: str, generation: int = 1) -> bytes:
     return hashlib.sha256(f"{seed}:{sandbox_id}:{generation}".encode()).digest()
 
 
+CLAIM_AHEAD = timedelta(minutes=5)
+DEADLINE_AHEAD = timedelta(minutes=10)
+
+
+def fresh_times(request: ScheduleRequest) -> ScheduleRequest:
+    """``request`` with its times moved to now (no validation: a copy). The scheduler's
+    clock refuses a request whose ``now`` is off by more than its tolerance (SPEC 6a),
+    so requests prepared before a run are brought up to date as they are sent."""
+    at = datetime.now(UTC)
+    return request.model_copy(
+        update={
+            "now": at,
+            "effect_started_at": at,
+            "plan_ready_at": at,
+            "claim_expires_at": at + CLAIM_AHEAD,
+            "operation_deadline": at + DEADLINE_AHEAD,
+        }
+    )
+
+
 def schedule_request(
     sandbox_id: str,
     requirements: Requirements,
@@ -226,8 +246,8 @@ def schedule_request(
         assignment_command={"kind": "start"},
         fencing_token=fencing_token(seed, sandbox_id),
         resolved_artifacts={"runtime": RUNTIME, "toolchain": TOOLCHAIN},
-        claim_expires_at=now + timedelta(minutes=5),
-        operation_deadline=now + timedelta(minutes=10),
+        claim_expires_at=now + CLAIM_AHEAD,
+        operation_deadline=now + DEADLINE_AHEAD,
         retry_limit=2,
         serialization_retry_limit=serialization_retry_limit,
         heartbeat_timeout=HEARTBEAT_TIMEOUT,

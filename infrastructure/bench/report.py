@@ -19,8 +19,8 @@ def _ratio(value: float | None) -> str:
 
 def throughput_table(report: dict[str, Any]) -> Table | None:
     raw, placement = report.get("raw_baseline"), report.get("placement")
-    contention = report.get("contention")
-    if not (raw or placement or contention):
+    contention, over_http = report.get("contention"), report.get("http")
+    if not (raw or placement or contention or over_http):
         return None
     workers = report["settings"]["workers"]
     table = Table(title=f"Throughput, {workers} worker processes", box=box.SIMPLE)
@@ -119,6 +119,19 @@ def throughput_table(report: dict[str, Any]) -> Table | None:
             + " batched/peer",
             _cpu(row_lock),
         )
+    if over_http:
+        in_process = placement["per_second"] if placement else None
+        table.add_row(
+            f"placement over HTTP: {over_http['replicas']} serve processes",
+            f"{over_http['per_second']:,.0f}",
+            _ms(over_http["p50_ms"]),
+            _ms(over_http["p95_ms"]),
+            _ms(over_http["p99_ms"]),
+            f"{over_http['retries_per_call']:.3f}",
+            str(over_http["contention_errors"]),
+            _ratio(over_http["per_second"] / in_process if in_process else None) + " of placement",
+            _cpu(over_http),
+        )
     table.caption = _throughput_caption(report)
     table.caption_justify = "left"
     return table
@@ -135,6 +148,11 @@ def _throughput_caption(report: dict[str, Any]) -> str:
         "per s: transactions (raw), placements (placement, contention: goodput); "
         "latency of successful calls; CPU: whole machine (workers and database) per call"
     ]
+    if report.get("http"):
+        notes.append(
+            "over HTTP: one client process per serve process, latency measured by the client "
+            "(request sent to answer parsed: loopback HTTP, uvicorn, FastAPI, JSON)"
+        )
     contention = report.get("contention")
     if contention:
         state = contention["hot_runner_state"]

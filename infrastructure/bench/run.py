@@ -16,6 +16,7 @@ from secondbox_scheduler.infrastructure.bench.database import (
 from secondbox_scheduler.infrastructure.bench.errors import BenchError
 from secondbox_scheduler.infrastructure.bench.goals import evaluate_goals
 from secondbox_scheduler.infrastructure.bench.history import measure_history_section
+from secondbox_scheduler.infrastructure.bench.over_http import measure_http
 from secondbox_scheduler.infrastructure.bench.replay import measure_replay
 from secondbox_scheduler.infrastructure.bench.selection import measure_selection
 from secondbox_scheduler.infrastructure.bench.settings import SECTIONS, BenchSettings, Progress
@@ -55,7 +56,9 @@ def run_bench(
         app = SchedulerApplication(env=env)  # creates the tables before any worker starts
         RawBaseline(env=raw_env(env)).close()
         try:
-            needs_workers = bool(wanted & {"raw", "placement", "contention", "batched", "row_lock"})
+            needs_workers = bool(
+                wanted & {"raw", "placement", "contention", "batched", "row_lock", "http"}
+            )
             with WorkerPool(settings.workers if needs_workers else 1) as pool:
                 rate = DEFAULT_RATE
                 if "raw" in wanted:
@@ -81,6 +84,10 @@ def run_bench(
                     )  # fmt: skip
                 if "row_lock" in wanted:
                     report["row_lock"] = measure_row_lock(pool, env, settings, progress)
+                if "http" in wanted:
+                    if "placement" in report:
+                        rate = report["placement"]["per_second"] or rate
+                    report["http"] = measure_http(pool, app, env, settings, rate, progress)
             if "selection" in wanted:
                 report["selection"] = measure_selection(app, settings, progress)
             if "replay" in wanted:

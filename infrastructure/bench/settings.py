@@ -13,6 +13,7 @@ SECTIONS = (
     "contention",
     "batched",
     "row_lock",
+    "http",
     "selection",
     "history",
     "replay",

@@ -30,7 +30,7 @@ from datetime import UTC, datetime
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from uuid import UUID
 
 from eventsourcing.application import Application
@@ -122,7 +122,14 @@ class RowLockJob:
     seconds: float
 
 
-Job = RawJob | ScheduleJob | RowLockJob
+class ExternalJob(Protocol):
+    """A job that runs itself (``bench/over_http.py``): set up untimed, wait at the
+    barrier, run the timed loop, return the worker's result."""
+
+    def run(self, index: int, barrier: Barrier) -> WorkerResult: ...
+
+
+Job = RawJob | ScheduleJob | RowLockJob | ExternalJob
 
 
 @dataclass
@@ -350,8 +357,10 @@ def worker_main(
                     result: WorkerResult | str = _run_raw(index, job, state, barrier)
                 elif isinstance(job, RowLockJob):
                     result = _run_row_lock(index, job, state, barrier)
-                else:
+                elif isinstance(job, ScheduleJob):
                     result = _run_schedule(index, job, state, barrier)
+                else:
+                    result = job.run(index, barrier)
             except Exception as error:
                 barrier.abort()
                 result = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"

@@ -8,7 +8,8 @@ stderr and exit code 2.
 
 This module builds the typer app ``cli`` from the command groups, one module each:
 ``simulate``, ``inspection`` (``runners``, ``assignments``), ``faults`` (``verify``),
-``lifecycle`` (``reconcile``, ``release``), ``projections``, ``audit`` and ``bench``;
+``lifecycle`` (``reconcile``, ``release``), ``serve`` (the HTTP service),
+``projections``, ``audit`` and ``bench``;
 ``common`` holds what they share.
 """
 
@@ -26,6 +27,7 @@ from secondbox_scheduler.infrastructure.cli import (
     inspection,
     lifecycle,
     projections,
+    serve,
     simulate,
 )
 from secondbox_scheduler.infrastructure.cli.common import EXIT_REFUSED, say_error, shown
@@ -51,6 +53,7 @@ cli.registered_commands += [
     *inspection.commands.registered_commands,
     *faults.commands.registered_commands,
     *lifecycle.commands.registered_commands,
+    *serve.commands.registered_commands,
 ]
 cli.add_typer(projections.projections_cli, name="projections")
 cli.add_typer(audit.audit_cli, name="audit")

@@ -29,8 +29,9 @@ BENCH_HELP = (
     "measures: (1) the raw eventsourcing baseline, new aggregates saved one and two per "
     "transaction by W worker processes; (2) placement throughput of W workers scheduling "
     "over R runners with spare capacity; (3) contention, 3,000 sandboxes homed on 4 runners; "
-    "(4) select_runner and create_sandbox over 100, 1,000 and 10,000 runners; (5) loading "
-    "a runner after 10, 1,000 and 100,000 events; (6) projection rebuild and audit verify "
+    "(4) http, the placement run over HTTP through W serve processes; "
+    "(5) select_runner and create_sandbox over 100, 1,000 and 10,000 runners; (6) loading "
+    "a runner after 10, 1,000 and 100,000 events; (7) projection rebuild and audit verify "
     "against the raw notification read rate. Prints a table per measurement and each "
     "goal as met or not met.\n\n"
     "[bold]Examples[/bold]\n\n"
@@ -80,7 +81,9 @@ def bench(
         str | None,
         typer.Option(
             "--only",
-            help="Comma-separated sections: raw,placement,contention,selection,history,replay.",
+            help=(
+                "Comma-separated sections: raw,placement,contention,http,selection,history,replay."
+            ),
         ),
     ] = None,
     keep: Annotated[

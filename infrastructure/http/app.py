@@ -1,0 +1,71 @@
+"""The HTTP/JSON service's application factory: :func:`create_app`.
+
+One FastAPI application over one :class:`SchedulerApplication`: the routes of
+``runners`` and ``sandboxes`` (every command and query, under ``/v1``), ``health``
+(``/healthz``, ``/readyz``, ``/metrics``), the OpenAPI document at ``/openapi.json``,
+the error answers of :mod:`.errors`, and the request-duration middleware. Several
+processes serving one PostgreSQL database are replicas: nothing is kept in a process
+that another one needs (the scheduler serializes through the database).
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.http import health, runners, sandboxes
+from secondbox_scheduler.infrastructure.http.errors import install_error_handlers
+from secondbox_scheduler.infrastructure.http.request_metrics import (
+    RequestMetrics,
+    request_histogram,
+)
+from secondbox_scheduler.infrastructure.metrics import PrometheusMetrics
+
+DEFAULT_MAX_READ_MODEL_LAG = 1000  # events; /readyz answers 503 beyond
+API_VERSION = "1"
+
+DESCRIPTION = """\
+The SecondBox scheduler over HTTP/JSON: every command and query of
+`SchedulerApplication` (runners, sandboxes, assignments, explanations, timelines),
+health and Prometheus metrics.
+
+Errors are `{"error": {"code", "message", "retryable", "field", "rule", ...}}` with
+422 invalid input, 404 unknown, 409 stale fence or conflict (and refused placements),
+503 with `Retry-After` for contention and an unavailable store. Commands are
+idempotent by the ids they carry: retrying one after a lost answer is safe.
+
+Fencing tokens are hex; durations are seconds; times are RFC 3339 with a zone. The
+scheduler's clock is the authority: a request's `now` must lie within its clock plus
+or minus the tolerance (`SECONDBOX_CLOCK_TOLERANCE_SECONDS`, default 5).
+"""
+
+
+def create_app(
+    scheduler: SchedulerApplication,
+    *,
+    registry: CollectorRegistry | None = None,
+    max_read_model_lag: int = DEFAULT_MAX_READ_MODEL_LAG,
+) -> FastAPI:
+    """The service over ``scheduler``. Its metrics go to ``registry``, or to the
+    registry the scheduler already exports to, or to a new one; ``/metrics`` serves it."""
+    sink = scheduler.metrics.sink
+    if registry is None and isinstance(sink, PrometheusMetrics):
+        exporter = sink
+    else:
+        exporter = scheduler.attach_metrics(registry)
+    app = FastAPI(
+        title="SecondBox scheduler",
+        version=API_VERSION,
+        description=DESCRIPTION,
+        openapi_url="/openapi.json",
+    )
+    app.state.scheduler = scheduler
+    app.state.registry = exporter.registry
+    app.state.max_read_model_lag = max_read_model_lag
+    install_error_handlers(app)
+    app.include_router(runners.router)
+    app.include_router(sandboxes.router)
+    app.include_router(health.router)
+    app.add_middleware(RequestMetrics, histogram=request_histogram(exporter.registry))
+    return app

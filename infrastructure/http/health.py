@@ -1,0 +1,118 @@
+"""``/healthz``, ``/readyz`` and ``/metrics``.
+
+- ``/healthz``: the process answers (liveness); it touches nothing else.
+- ``/readyz``: the store answers (one fresh connection with the connect timeout, no
+  retries: :mod:`..store_probe`), and no read model lags the log by more than
+  the threshold (``serve --max-read-model-lag``). Where queries catch the read models
+  up themselves (``SECONDBOX_READ_MODELS=on``, the default), the probe catches them up
+  first, as the next query would, and then measures; with ``external`` it only
+  measures, since queries then answer from the tables as they are. 200 when ready,
+  else 503 with ``Retry-After``; the body says which check failed either way.
+- ``/metrics``: the Prometheus text format of the service's registry
+  (:mod:`secondbox_scheduler.infrastructure.metrics`, the HTTP request histogram, and
+  the process collectors).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eventsourcing.persistence import PersistenceError
+from fastapi import APIRouter, Request
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel, Field
+from starlette.responses import Response
+
+from secondbox_scheduler.domain.errors import SchedulerError
+from secondbox_scheduler.infrastructure.http.common import Scheduler, respond
+from secondbox_scheduler.infrastructure.http.errors import RETRY_AFTER_STORE
+from secondbox_scheduler.infrastructure.store_startup import StoreUnavailableError
+
+router = APIRouter(tags=["operations"])
+
+READ_MODELS_INLINE = "inline"  # queries catch the read models up first
+READ_MODELS_EXTERNAL = "external"  # another process (projections run) keeps them current
+READ_MODELS_NOT_KEPT = "not kept"  # in-memory store, or SECONDBOX_READ_MODELS=off
+
+
+class Health(BaseModel):
+    status: str = "ok"
+
+
+class ReadModelLag(BaseModel):
+    name: str
+    position: int
+    head: int
+    lag_events: int
+
+
+class Readiness(BaseModel):
+    ready: bool
+    store: str = Field(description="ok, or why the store did not answer.")
+    read_models: str = Field(description="inline, external or not kept.")
+    max_lag_events: int = Field(description="The threshold: more lag is not ready.")
+    projections: list[ReadModelLag] = Field(default_factory=list)
+
+
+READY_RESPONSES: dict[int | str, dict[str, Any]] = {
+    503: {
+        "model": Readiness,
+        "description": "Not ready: the store did not answer or a read model lags.",
+        "headers": {
+            "Retry-After": {
+                "description": "Seconds to wait before probing again.",
+                "schema": {"type": "integer", "minimum": 0},
+            }
+        },
+    }
+}
+
+
+@router.get("/healthz", response_model=Health, summary="Liveness")
+def healthz() -> Response:
+    return respond(Health())
+
+
+@router.get("/readyz", response_model=Readiness, summary="Readiness", responses=READY_RESPONSES)
+def readyz(request: Request, app: Scheduler) -> Response:
+    threshold: int = request.app.state.max_read_model_lag
+    if app.read_models is None:
+        mode = READ_MODELS_NOT_KEPT
+    else:
+        mode = READ_MODELS_INLINE if app.catch_up_inline else READ_MODELS_EXTERNAL
+    readiness = Readiness(ready=False, store="ok", read_models=mode, max_lag_events=threshold)
+    try:
+        app.probe_store()  # one connection, no retries: fast while the store is down
+        if app.read_models is not None:
+            if app.catch_up_inline:
+                app.current_read_models()
+            readiness.projections = [
+                ReadModelLag(**status.to_dict()) for status in app.read_models.status()
+            ]
+    except StoreUnavailableError as error:
+        readiness.store = f"unavailable: {error.reason}"
+    except (SchedulerError, PersistenceError) as error:
+        readiness.store = f"unavailable: {type(error).__name__}: {error}"
+    else:
+        readiness.ready = all(p.lag_events <= threshold for p in readiness.projections)
+    if readiness.ready:
+        return respond(readiness)
+    response = respond(readiness, 503)
+    response.headers["Retry-After"] = str(RETRY_AFTER_STORE)
+    return response
+
+
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics",
+    response_class=Response,
+    responses={
+        200: {
+            "description": "The Prometheus text exposition format.",
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+        }
+    },
+)
+def metrics(request: Request) -> Response:
+    registry: CollectorRegistry = request.app.state.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
