@@ -269,7 +269,7 @@ def test_contention_is_a_503_with_retry_after_and_the_retry_succeeds(
     with api_client(app) as client:
         prepare(client, clock, "s1")
         body = schedule_body("s1", clock(), serialization_retry_limit=0)
-        app.save = Interfering(app, rival, times=1)  # type: ignore[method-assign]
+        app.save_in_order = Interfering(app, rival, times=1)  # type: ignore[method-assign]
         lost = client.post("/v1/sandboxes/s1/schedule", json=body)
         assert (
             "lost 1 optimistic-concurrency race"

@@ -92,7 +92,7 @@ def test_contention_retries_and_errors_are_counted(store: Store, clock: Clock) -
     exporter = app.attach_metrics()  # attached to a running application: a new registry
     register(app, "r1", at=clock())
     create_sandbox(app, "s1")
-    app.save = Interfering(app, rival, times=2)  # type: ignore[method-assign]
+    app.save_in_order = Interfering(app, rival, times=2)  # type: ignore[method-assign]
     with pytest.raises(SerializationContentionError):
         app.schedule(schedule_request("s1", clock(), serialization_retry_limit=1))
     assert sample(exporter.registry, "contention_retries_total") == 1
@@ -116,9 +116,11 @@ def test_reconcile_actions_and_the_batch_hook_are_counted(store: Store, clock: C
     assert Reconciler(app, "rec").run_once() == (1, 1)
     assert sample(registry, "reconcile_actions_total", action="deadline_exceeded") == 1
     assert sample(registry, "reconcile_actions_total", action="uncertain") == 0
+    assert sample(registry, "placement_batch_size_count") == 1  # the schedule: one request
+    assert sample(registry, "placement_batch_size_sum") == 1
     app.metrics.batch(5)  # what a placement batcher reports per batch
-    assert sample(registry, "placement_batch_size_count") == 1
-    assert sample(registry, "placement_batch_size_sum") == 5
+    assert sample(registry, "placement_batch_size_count") == 2
+    assert sample(registry, "placement_batch_size_sum") == 6
 
 
 def test_the_in_memory_store_exports_no_read_model_lag(clock: Clock) -> None:

@@ -72,6 +72,31 @@ def test_a_schedule_that_lost_to_a_rival_answers_with_the_rivals_assignment(
     assert rival.get_runner("hot").reserved == assignment.capacity
 
 
+def test_a_schedule_refused_after_a_rival_placed_and_drained_answers_as_a_replay(
+    store: Store, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rival places the sandbox, then the runner is drained. A schedule that read
+    the sandbox before the rival's placement and the runner after the drain would
+    refuse (drained): no serial order gives a placement and that refusal, so it decides
+    again and answers as a replay of the rival's assignment."""
+    app, rival = store.open(), store.open()
+    register(app, "hot", at=clock())
+    create_sandbox(app, "s1")
+    theirs: list[Any] = []
+
+    def place_then_drain() -> None:
+        theirs.append(rival.schedule(schedule_request("s1", clock()))[0])
+        rival.start_drain("hot")
+
+    batch = PlacementBatch(app)
+    interleave(batch, "_runners", place_then_drain)
+    monkeypatch.setattr(
+        "secondbox_scheduler.infrastructure.application.PlacementBatch", lambda _: batch
+    )
+    assignment, created = app.schedule(schedule_request("s1", clock()))
+    assert (assignment, created) == (theirs[0], False)
+
+
 def test_a_release_that_lost_to_a_rival_answers_false(store: Store, clock: Clock) -> None:
     app, rival = store.open(), store.open()
     register(app, "hot", at=clock())
