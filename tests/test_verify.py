@@ -16,6 +16,7 @@ from secondbox_scheduler.infrastructure.audit_replay import fold
 from secondbox_scheduler.infrastructure.fault_injection import FaultRunConfig, run_fault_injection
 from secondbox_scheduler.infrastructure.fault_injection.probes import audit_probes, guard_probes
 from secondbox_scheduler.infrastructure.fault_injection.run import LOG_DIR_PREFIX, log_directory
+from secondbox_scheduler.infrastructure.fault_injection.worker import Worker
 from tests.conftest import Clock
 from tests.factories import CAPABILITIES, capacity, create_sandbox, register, schedule_request
 
@@ -53,6 +54,7 @@ def test_concurrent_replicas_with_kills_keep_every_promise(
     assert report.acknowledged_schedules > 0
     assert report.operations["release"] > 0
     assert report.events > 0
+    assert max(report.batch_sizes) > 1  # batching on (the default): groups committed together
     assert list(caller.iterdir()) == []
     assert report.log_dir.is_dir()
     assert report.log_dir.parent == temporary
@@ -63,6 +65,39 @@ def test_concurrent_replicas_with_kills_keep_every_promise(
         "worker-2.jsonl",
     ]
     assert report.to_dict()["log_dir"] == str(report.log_dir)
+
+
+@pytest.mark.slow
+def test_a_run_with_batching_off_keeps_every_promise(postgres_server: Any) -> None:
+    config = FaultRunConfig(
+        database_url=postgres_server.url(),
+        workers=2,
+        duration=6.0,
+        runners=3,
+        sandboxes=30,
+        kill_workers=1,
+        batching=False,
+    )
+    report = run_fault_injection(config)
+    assert report.ok, report.violations
+    assert report.acknowledged_schedules > 0
+    assert set(report.batch_sizes) == {1}  # one placement per transaction
+    assert report.to_dict()["batching"] == "off"
+
+
+def test_every_unanswered_intent_of_a_killed_worker_is_retried(tmp_path: Path) -> None:
+    def intent(request: str) -> dict[str, Any]:
+        return {"kind": "intent", "request": request, "sandbox": f"s-{request}", "token": "00"}
+
+    journal = [
+        intent("a"), intent("b"), intent("c"), intent("d"),
+        {"kind": "ack", "op": "schedule", "request": "b"},
+        {"kind": "refused", "error": "HomeRunnerUnavailableError", "request": "d"},
+        {"kind": "ack", "op": "release", "sandbox": "s-a"},
+    ]  # fmt: skip
+    worker = Worker.__new__(Worker)  # no application: only the journal is read
+    worker.previous = journal
+    assert [record["request"] for record in worker.in_flight()] == ["a", "c"]
 
 
 def test_a_named_log_dir_is_created_and_cleared_of_an_earlier_runs_worker_files(

@@ -42,6 +42,8 @@ commands = typer.Typer()
         "  secondbox-scheduler verify --workers 4 --duration 60 --kill-workers 3\n"
         "  secondbox-scheduler verify --workers 4 --duration 300 --kill-workers 10 "
         "--restart-postgres\n"
+        "  secondbox-scheduler verify --batching off --workers 4 --duration 60 "
+        "--kill-workers 3\n"
         "  secondbox-scheduler verify --profile adversarial --workers 3 --duration 60 "
         "--kill-workers 2"
     ),
@@ -69,6 +71,17 @@ def verify_command(
             help="standard (well-behaved clients, roomy runners) or adversarial.",
         ),
     ] = "standard",
+    batching: Annotated[
+        str,
+        typer.Option(
+            "--batching",
+            help=(
+                "on: each worker schedules groups of its sandboxes at once, committed "
+                "together by the placement batcher (as in production); off: one placement "
+                "per transaction."
+            ),
+        ),
+    ] = "on",
     keep: Annotated[bool, typer.Option("--keep", help="Keep the database afterwards.")] = False,
     log_dir: Annotated[
         str | None,
@@ -91,10 +104,13 @@ def verify_command(
     )
 
     err = Console(stderr=True, highlight=False)
+    if batching not in ("on", "off"):
+        raise CommandError(f"--batching must be on or off, not {batching!r}")
     config = FaultRunConfig(
         database_url=database_url, workers=workers, duration=duration, runners=runners,
         sandboxes=sandboxes, kill_workers=kill_workers, restart_postgres=restart_postgres,
         seed=seed, keep=keep, log_dir=Path(log_dir) if log_dir else None, profile=profile,
+        batching=batching == "on",
     )  # fmt: skip
     with reported_errors(), store_errors(database_url):
         try:

@@ -37,6 +37,14 @@ def count_probe(record: dict[str, Any], report: FaultRunReport) -> None:
         report.violations.append(f"{record['kind']} {record['name']}: {record['detail']}")
 
 
+def add_stats(report: FaultRunReport, stats: dict[str, Any]) -> None:
+    """A worker process's last stats (its counters die with it: one per process)."""
+    report.contention_retries += stats.get("contention_retries", 0)
+    report.contention_errors += stats.get("contention_errors", 0)
+    for size, batches in stats.get("batch_sizes", {}).items():
+        report.batch_sizes[int(size)] += batches
+
+
 def check_audit_probes(app: SchedulerApplication, report: FaultRunReport) -> None:
     audit = audit_fold(app)
     versions = {
@@ -74,9 +82,7 @@ def check(
                 elif kind == "fault":
                     report.faults += 1
                 elif kind == "start":
-                    if last_stats:
-                        report.contention_retries += last_stats.get("contention_retries", 0)
-                        report.contention_errors += last_stats.get("contention_errors", 0)
+                    add_stats(report, last_stats)
                     last_stats = {}
                 elif kind == "stats":
                     last_stats = record
@@ -96,8 +102,7 @@ def check(
                             report.violations.append(
                                 f"retried request got another assignment: {record}"
                             )
-            report.contention_retries += last_stats.get("contention_retries", 0)
-            report.contention_errors += last_stats.get("contention_errors", 0)
+            add_stats(report, last_stats)
         if adversarial:
             check_audit_probes(app, report)
         read_models = app.read_models

@@ -24,6 +24,9 @@ class FaultRunConfig:
     # "standard": well-behaved clients on roomy runners; "adversarial": runners tight on
     # all five dimensions and clients that misbehave on purpose (fault_injection/adversary.py)
     profile: str = "standard"
+    # placements batched (groups of a worker's sandboxes committed together), as in
+    # production; False: one placement per transaction
+    batching: bool = True
     keep: bool = False
     # where the workers' journals and logs go; None: a new temporary directory
     log_dir: Path | None = None
@@ -40,6 +43,8 @@ class FaultRunReport:
     restarts_of_postgres: int = 0
     contention_retries: int = 0
     contention_errors: int = 0
+    batching: bool = True
+    batch_sizes: Counter[int] = field(default_factory=Counter)  # placement batches by size
     acknowledged_schedules: int = 0
     retried_in_flight: int = 0
     events: int = 0
@@ -65,6 +70,8 @@ class FaultRunReport:
             "postgres_restarts": self.restarts_of_postgres,
             "contention_retries": self.contention_retries,
             "contention_errors": self.contention_errors,
+            "batching": "on" if self.batching else "off",
+            "placement_batches": dict(sorted(self.batch_sizes.items())),
             "acknowledged_schedules": self.acknowledged_schedules,
             "retried_in_flight": self.retried_in_flight,
             "events": self.events,

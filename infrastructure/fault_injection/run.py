@@ -73,20 +73,21 @@ def run_fault_injection(
     name = f"secondbox_verify_{int(time.time())}"
     url = fault_run_database(config.database_url, name)
     directory = log_directory(config)
-    report = FaultRunReport(database=name, log_dir=directory)
+    report = FaultRunReport(database=name, log_dir=directory, batching=config.batching)
     try:
         setup = SchedulerApplication(env={"SECONDBOX_DATABASE_URL": url})
         runners, sandboxes = setup_fleet(setup, config)
         setup.close()
+        batching = "on" if config.batching else "off"
         say(f"fleet of {len(runners)} runners, {len(sandboxes)} sandboxes in database {name} "
-            f"(profile {config.profile})")  # fmt: skip
+            f"(profile {config.profile}, batching {batching})")  # fmt: skip
         say(f"worker journals and logs in {directory}")
         deadline = time.time() + config.duration
         rng = random.Random(config.seed)
         configs = [
             {
                 "index": index, "database_url": url, "seed": config.seed, "deadline": deadline,
-                "profile": config.profile,
+                "profile": config.profile, "batching": config.batching,
                 "journal": str(directory / f"worker-{index}.jsonl"), "runners": runners,
                 "sandboxes": sandboxes[index :: config.workers],
             }

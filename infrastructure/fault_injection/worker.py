@@ -5,9 +5,15 @@ Started as ``python -m secondbox_scheduler.infrastructure.fault_injection.worker
 
 It owns a partition of the sandboxes (so its retried requests have one right answer)
 and shares every runner with the other workers (the hot spots). It journals each
-request before sending it (``intent``) and each answer after (``ack``), flushed to the
-OS, so a SIGKILL loses nothing acknowledged; on restart it first retries the request
-that was in flight and records whether it got the same assignment back.
+request before sending it (``intent``) and each answer after (``ack``, or ``refused``
+naming the request), flushed to the OS, so a SIGKILL loses nothing acknowledged; on
+restart it first retries every request that was in flight and records whether each got
+the same assignment back.
+
+With batching on (the default, as in production) it schedules groups of its sandboxes
+at once, by ``schedule_many`` or by concurrent ``schedule`` calls that the placement
+batcher commits together, so a kill can interrupt several placements of one
+transaction; with batching off, one request per transaction.
 
 Under the ``adversarial`` profile it also misbehaves on purpose now and then
 (:mod:`.adversary`: each misbehaviour must be refused as documented and write nothing)
@@ -21,6 +27,8 @@ import json
 import random
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
@@ -34,6 +42,11 @@ from secondbox_scheduler.infrastructure.fault_injection.probes import guard_prob
 from secondbox_scheduler.infrastructure.reconciler import Reconciler
 
 PROOF = {"verified-by": "secondbox-verify"}
+GROUP = 8  # at most this many of the worker's sandboxes scheduled at once (batching on)
+
+JOURNALED = "journaled_by_worker"  # set on a refusal already written to the journal
+
+Outcome = tuple[DurableAssignment, bool] | SchedulerError
 
 
 class Worker:
@@ -42,8 +55,13 @@ class Worker:
         self.index: int = config["index"]
         self.journal = journal
         self.rng = random.Random(f"{config['seed']}-{self.index}-{len(previous)}")
+        self.batching: bool = config.get("batching", True)
         self.app = SchedulerApplication(
-            env={"SECONDBOX_DATABASE_URL": config["database_url"], "SECONDBOX_READ_MODELS": "on"}
+            env={
+                "SECONDBOX_DATABASE_URL": config["database_url"],
+                "SECONDBOX_READ_MODELS": "on",
+                "SECONDBOX_BATCHING": "on" if self.batching else "off",
+            }
         )
         self.sandboxes: list[str] = config["sandboxes"]
         self.runners: list[str] = config["runners"]
@@ -62,15 +80,15 @@ class Worker:
         self.journal.write(json.dumps(record, sort_keys=True) + "\n")
         self.journal.flush()
 
-    def in_flight(self) -> dict[str, Any] | None:
-        """The last journaled schedule intent that has no ack."""
-        last: dict[str, Any] | None = None
+    def in_flight(self) -> list[dict[str, Any]]:
+        """The journaled schedule intents that have no answer (ack or refusal), in order."""
+        pending: dict[str, dict[str, Any]] = {}
         for record in self.previous:
             if record["kind"] == "intent":
-                last = record
-            elif record["kind"] == "ack" and last and record.get("request") == last["request"]:
-                last = None
-        return last
+                pending[record["request"]] = record
+            elif record["kind"] in ("ack", "refused") and "request" in record:
+                pending.pop(record["request"], None)
+        return list(pending.values())
 
     def schedule_with(self, sandbox_id: str, token: bytes) -> tuple[DurableAssignment, bool]:
         assignment_id = f"{sandbox_id}-{self.rng.getrandbits(64):016x}"
@@ -79,8 +97,37 @@ class Worker:
     def schedule(
         self, sandbox_id: str, assignment_id: str, token: str, retried: bool
     ) -> tuple[DurableAssignment, bool]:
+        """One request, alone: its assignment, or its typed refusal raised."""
+        request = self.request(sandbox_id, assignment_id, token)
+        self.write_intent(request, token)
+        return self.answered(request, self.outcome_of(request), retried)
+
+    def schedule_group(self, items: list[tuple[str, str, str]], retried: bool) -> None:
+        """Several requests (sandbox, assignment id, token) at once: every intent is
+        journaled first, then the answers. ``schedule_many`` or concurrent ``schedule``
+        calls (the batcher groups them), chosen at random."""
+        requests = [self.request(*item) for item in items]
+        for request, (_, _, token) in zip(requests, items, strict=True):
+            self.write_intent(request, token)
+        outcomes: list[Outcome]
+        if len(requests) == 1 or self.rng.random() < 0.5:
+            outcomes = self.app.schedule_many(requests)
+        else:
+            with ThreadPoolExecutor(len(requests)) as pool:
+                outcomes = list(pool.map(self.outcome_of, requests))
+        for request, outcome in zip(requests, outcomes, strict=True):
+            with suppress(SchedulerError):  # journaled as refused
+                self.answered(request, outcome, retried)
+
+    def outcome_of(self, request: ScheduleRequest) -> Outcome:
+        try:
+            return self.app.schedule(request)
+        except SchedulerError as error:
+            return error
+
+    def request(self, sandbox_id: str, assignment_id: str, token: str) -> ScheduleRequest:
         now = self.app.now()
-        request = ScheduleRequest(
+        return ScheduleRequest(
             assignment_id=assignment_id, assignment_command_id=f"cmd-{assignment_id}",
             instance_id=f"inst-{sandbox_id}", sandbox_id=sandbox_id,
             workspace_id=f"ws-{sandbox_id}", start_mutation_id=f"start-{assignment_id}",
@@ -91,16 +138,50 @@ class Worker:
             serialization_retry_limit=12, heartbeat_timeout=HEARTBEAT_TIMEOUT,
             now=now, effect_started_at=now, plan_ready_at=now,
         )  # fmt: skip
-        self.write({"kind": "intent", "request": assignment_id, "sandbox": sandbox_id,
-                    "token": token})  # fmt: skip
-        assignment, created = self.app.schedule(request)
+
+    def write_intent(self, request: ScheduleRequest, token: str) -> None:
+        self.write({"kind": "intent", "request": request.assignment_id,
+                    "sandbox": request.sandbox_id, "token": token})  # fmt: skip
+
+    def answered(
+        self, request: ScheduleRequest, outcome: Outcome, retried: bool
+    ) -> tuple[DurableAssignment, bool]:
+        """Journal the answer to ``request``; a refusal is raised after it is written."""
+        if isinstance(outcome, SchedulerError):
+            self.write({"kind": "refused", "error": type(outcome).__name__,
+                        "request": request.assignment_id})  # fmt: skip
+            setattr(outcome, JOURNALED, True)  # run() must not journal it again
+            raise outcome
+        assignment, created = outcome
         self.write({
-            "kind": "ack", "op": "schedule", "request": assignment_id, "sandbox": sandbox_id,
-            "generation": assignment.generation, "assignment": assignment.id,
-            "token": assignment.fencing_token.hex(), "created": created, "retried": retried,
+            "kind": "ack", "op": "schedule", "request": request.assignment_id,
+            "sandbox": request.sandbox_id, "generation": assignment.generation,
+            "assignment": assignment.id, "token": assignment.fencing_token.hex(),
+            "created": created, "retried": retried,
         })  # fmt: skip
-        self.tokens[(sandbox_id, assignment.generation)] = assignment.fencing_token.hex()
+        self.tokens[(request.sandbox_id, assignment.generation)] = assignment.fencing_token.hex()
         return assignment, created
+
+    def new_placements(self, first: str) -> None:
+        """Schedule ``first`` (which has no assignment), and with batching on up to
+        GROUP - 1 more of the worker's sandboxes that have none either."""
+        chosen = [first]
+        if self.batching:
+            for sandbox_id in self.rng.sample(self.sandboxes, min(GROUP, len(self.sandboxes))):
+                if (
+                    len(chosen) < GROUP
+                    and sandbox_id not in chosen
+                    and self.app.get_assignment(sandbox_id) is None
+                ):
+                    chosen.append(sandbox_id)
+        items = [
+            (s, f"{s}-{self.rng.getrandbits(64):016x}", self.rng.randbytes(32).hex())
+            for s in chosen
+        ]
+        if len(items) == 1:
+            self.schedule(*items[0], retried=False)
+        else:
+            self.schedule_group(items, retried=False)
 
     def misbehave(self) -> bool:
         """Adversarial profile: one misbehaviour or a round of guard probes, now and then."""
@@ -139,8 +220,7 @@ class Worker:
             return
         current = self.app.get_assignment(sandbox_id)
         if current is None:
-            self.schedule(sandbox_id, f"{sandbox_id}-{self.rng.getrandbits(64):016x}",
-                          self.rng.randbytes(32).hex(), retried=False)  # fmt: skip
+            self.new_placements(sandbox_id)
         elif current.state == "released":
             generation = self.app.advance_generation(sandbox_id, current.generation)
             self.write({"kind": "ack", "op": "advance", "sandbox": sandbox_id,
@@ -161,20 +241,23 @@ class Worker:
                 "ops": self.ops,
                 "contention_retries": metrics.contention_retries,
                 "contention_errors": metrics.contention_errors,
+                "batch_sizes": {str(size): n for size, n in metrics.batch_sizes.items()},
             }
         )
 
     def run(self, deadline: float) -> None:
-        pending = self.in_flight()  # the request a kill interrupted, if any
+        pending = self.in_flight()  # the requests a kill interrupted, if any
         while time.time() < deadline:
             try:
-                if pending is not None:
-                    request, pending = pending, None
-                    self.schedule(request["sandbox"], request["request"], request["token"], True)
+                if pending:
+                    items = [(r["sandbox"], r["request"], r["token"]) for r in pending]
+                    pending = []
+                    self.schedule_group(items, retried=True)
                 else:
                     self.step()
             except SchedulerError as error:
-                self.write({"kind": "refused", "error": type(error).__name__})
+                if not getattr(error, JOURNALED, False):
+                    self.write({"kind": "refused", "error": type(error).__name__})
             except Exception as error:  # PostgreSQL restarting, connection lost, ...
                 self.write({"kind": "fault", "error": f"{type(error).__name__}: {error}"[:200]})
                 time.sleep(0.5)
@@ -184,7 +267,7 @@ class Worker:
                 self.stats()
         self.stats()
 
-    def in_flight_from_journal(self) -> dict[str, Any] | None:
+    def in_flight_from_journal(self) -> list[dict[str, Any]]:
         path = Path(self.config["journal"])
         self.previous = [json.loads(line) for line in path.read_text().splitlines() if line]
         return self.in_flight()
