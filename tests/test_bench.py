@@ -121,7 +121,9 @@ def test_quick_bench_on_sqlite_reports_every_section_and_goal(quick: QuickRun) -
     for row in rows:
         assert row["select_runner_ms"] > 0
         assert row["create_sandbox_ms"] > 0
-    assert {"create_sandbox_ratio", "select_runner_ratio"} <= rows[-1].keys()
+        assert row["new_sandbox_ms"] > 0  # create_sandbox, then schedule placed it
+        assert row["new_sandboxes_per_second"] > 0
+    assert {"create_sandbox_ratio", "select_runner_ratio", "new_sandbox_ratio"} <= rows[-1].keys()
 
     history = report["history"]["rows"]
     assert [row["events"] for row in history] == [10, 1_000, 10_000]

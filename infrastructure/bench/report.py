@@ -173,7 +173,9 @@ def selection_table(report: dict[str, Any]) -> Table | None:
     if not selection:
         return None
     table = Table(title="Selection over one pool (median per call)", box=box.SIMPLE)
-    for column in ("runners", "select_runner ms", "ratio", "create_sandbox ms", "ratio"):
+    columns = ("runners", "select_runner ms", "ratio", "create_sandbox ms", "ratio",
+               "create + schedule ms", "ratio", "new sandboxes/s")  # fmt: skip
+    for column in columns:
         table.add_column(column, justify="right")
     for row in selection["rows"]:
         table.add_row(
@@ -182,6 +184,9 @@ def selection_table(report: dict[str, Any]) -> Table | None:
             _ratio(row.get("select_runner_ratio")),
             _ms(row["create_sandbox_ms"]),
             _ratio(row.get("create_sandbox_ratio")),
+            _ms(row["new_sandbox_ms"]),
+            _ratio(row.get("new_sandbox_ratio")),
+            f"{row['new_sandboxes_per_second']:,.0f}",
         )
     return table
 
