@@ -196,18 +196,17 @@ class ChainVerifier:
             self._advance(link)
             return
         expected_previous = 0 if self.head is None else self.head.position
-        if link.previous != expected_previous and self.head is not None:
-            if link.previous > expected_previous:
-                self.findings.append(
-                    Finding(
-                        link.previous,
-                        "deleted",
-                        f"the link at position {position} follows position {link.previous}, "
-                        f"which is missing (events deleted after position {expected_previous})",
-                    )
+        if self.head is not None and link.previous > expected_previous:
+            self.findings.append(
+                Finding(
+                    link.previous,
+                    "deleted",
+                    f"the link at position {position} follows position {link.previous}, "
+                    f"which is missing (events deleted after position {expected_previous})",
                 )
-                self._advance(link)
-                return
+            )
+            self._advance(link)
+            return
         expected = self.chain.digest(self.head, event)
         if not hmac.compare_digest(expected, link.digest):
             if self.head is None and link.previous != 0:

@@ -80,11 +80,11 @@ from secondbox_scheduler.infrastructure.placement_batch import PlacementBatch
 from secondbox_scheduler.infrastructure.settings import (
     APPLICATION_RECORDER_TOPIC,
     AUDIT_KEY,
-    CHAIN,
-    CHAINED_RECORDERS,
     BATCH_SIZE,
     BATCH_WAIT_MS,
     BATCHING,
+    CHAIN,
+    CHAINED_RECORDERS,
     CLOCK_TOLERANCE_SECONDS,
     DATABASE_URL,
     LEASE_RENEWAL_SECONDS,
@@ -312,9 +312,12 @@ class SchedulerApplication(Application[UUID]):
             environment.update(settings_from_url(url))
         module = environment.get("PERSISTENCE_MODULE") or ""
         chained = (environment.get(CHAIN) or "on").lower() != "off"
-        if chained and module in CHAINED_RECORDERS:
-            if not environment.get(APPLICATION_RECORDER_TOPIC):
-                environment[APPLICATION_RECORDER_TOPIC] = CHAINED_RECORDERS[module]
+        if (
+            chained
+            and module in CHAINED_RECORDERS
+            and not environment.get(APPLICATION_RECORDER_TOPIC)
+        ):
+            environment[APPLICATION_RECORDER_TOPIC] = CHAINED_RECORDERS[module]
         if not getattr(self, "_may_create", True):
             environment["CREATE_TABLE"] = "n"
         return environment

@@ -109,8 +109,7 @@ def postgres_schema_lock(settings: Mapping[str, str]) -> Iterator[bool]:
     key = zlib.crc32(f"secondbox-scheduler schema {schema}".encode())
     with connect_postgres(settings) as connection:
         row = connection.execute(
-            "SELECT has_schema_privilege(n.oid, 'CREATE') FROM pg_namespace n "
-            "WHERE n.nspname = %s",
+            "SELECT has_schema_privilege(n.oid, 'CREATE') FROM pg_namespace n WHERE n.nspname = %s",
             (schema,),
         ).fetchone()
         may_create = row is None or bool(row[0])
