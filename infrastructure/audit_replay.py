@@ -123,6 +123,13 @@ class AuditReport(RebuildReport):
     def ok(self) -> bool:
         return not self.violations
 
+    @property
+    def first_bad_position(self) -> int | None:
+        """The first position named by a violation (0: a snapshot whose event is gone,
+        position unknown, counts only when nothing else is named)."""
+        named = [v.position for v in self.violations if v.position > 0]
+        return min(named) if named else (0 if self.violations else None)
+
     def to_dict(self) -> dict[str, Any]:
         rates = super().to_dict()
         rates["events_checked"] = rates.pop("events")
@@ -130,6 +137,7 @@ class AuditReport(RebuildReport):
             "ok": self.ok,
             **rates,
             "position": self.position,
+            "first_bad_position": self.first_bad_position,
             "chain": self.chain.to_dict(),
             "violations": [violation.to_dict() for violation in self.violations],
         }
