@@ -157,7 +157,10 @@ def copy_of(
 
 def first_bad(copy: Copy, against: Checkpoint | None = None) -> int | None:
     app = copy.open()
-    return verify(app, measure_raw=False, checkpoint=against).first_bad_position
+    try:
+        return verify(app, measure_raw=False, checkpoint=against).first_bad_position
+    finally:
+        app.close()
 
 
 def edit_json(raw: Raw, position: int, change: Callable[[dict[str, Any]], None]) -> None:
@@ -398,6 +401,9 @@ def test_random_tampering_is_detected_at_its_position(
 ) -> None:
     copy = copy_of(kind)
     app = copy.open()
-    assert verify(app, measure_raw=False).ok  # a clean history verifies
-    expected, mark = tamper(copy.raw, operation, data, app)
+    try:
+        assert verify(app, measure_raw=False).ok  # a clean history verifies
+        expected, mark = tamper(copy.raw, operation, data, app)
+    finally:
+        app.close()
     assert first_bad(copy, mark) == expected
