@@ -91,20 +91,27 @@ def sqlite_raw(path: Path) -> Raw:
         with closing(sqlite3.connect(path)) as connection, connection:
             return connection.execute(statement, params).fetchall()
 
-    return Raw("sqlite", execute, "stored_events", "rowid", "stored_events_chain",
-               "stored_snapshots")  # fmt: skip
+    return Raw(
+        "sqlite", execute, "stored_events", "rowid", "stored_events_chain", "stored_snapshots"
+    )
 
 
 def postgres_raw(schema: PostgresSchema) -> Raw:
     def execute(statement: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         with psycopg.connect(schema.server.conninfo(), autocommit=True) as connection:
             connection.execute(f'SET search_path TO "{schema.name}"')
-            cursor = connection.execute(statement, params)  # type: ignore[call-overload]
+            cursor = connection.execute(statement, params)
             return cursor.fetchall() if cursor.description else []
 
     name = "schedulerapplication"
-    return Raw("postgres", execute, f"{name}_events", "notification_id",
-               f"{name}_events_chain", f"{name}_snapshots")  # fmt: skip
+    return Raw(
+        "postgres",
+        execute,
+        f"{name}_events",
+        "notification_id",
+        f"{name}_events_chain",
+        f"{name}_snapshots",
+    )
 
 
 @dataclass
@@ -171,7 +178,7 @@ def edit_json(raw: Raw, position: int, change: Callable[[dict[str, Any]], None])
 
 def nth(raw: Raw, topic_suffix: str, index: int = 0) -> int:
     rows = raw.rows("SELECT {p}, topic FROM {events} ORDER BY {p}")
-    found = [row[0] for row in rows if row[1].endswith(topic_suffix)]
+    found = [int(row[0]) for row in rows if row[1].endswith(topic_suffix)]
     return found[index if index >= 0 else len(found) + index]
 
 
@@ -256,8 +263,12 @@ def _swap_renewals(raw: Raw) -> int:
     first, second = next(p for p in renewals.values() if len(p) > 4)[2:4]
     a, b = raw.event(first), raw.event(second)
     raw.rows("UPDATE {events} SET originator_version = -1 WHERE {p} = ?", first)
-    raw.rows("UPDATE {events} SET originator_version = ?, state = ? WHERE {p} = ?", a[1], b[3], second)  # fmt: skip
-    raw.rows("UPDATE {events} SET originator_version = ?, state = ? WHERE {p} = ?", b[1], a[3], first)  # fmt: skip
+    raw.rows(
+        "UPDATE {events} SET originator_version = ?, state = ? WHERE {p} = ?", a[1], b[3], second
+    )
+    raw.rows(
+        "UPDATE {events} SET originator_version = ?, state = ? WHERE {p} = ?", b[1], a[3], first
+    )
     return first
 
 
@@ -314,7 +325,8 @@ def test_a_clean_history_verifies_and_a_truncated_one_fails_against_its_checkpoi
     copy.raw.rows("DELETE FROM {snapshots}")  # a careful truncation: no trace left
     failed = runner.invoke(cli, ["audit", "verify", "--database-url", url, "--checkpoint", mark])
     assert failed.exit_code == 1
-    assert f"#{cut + 1} " in failed.output and "truncated" in failed.output
+    assert f"#{cut + 1} " in failed.output
+    assert "truncated" in failed.output
 
 
 def test_a_checkpoint_taken_with_the_key_fails_without_it(
@@ -331,11 +343,21 @@ def test_a_checkpoint_taken_with_the_key_fails_without_it(
 # -- random tamper operations, on both stores -----------------------------------------
 
 
-OPERATIONS = ["byte", "topic", "delete", "delete-with-link", "duplicate", "swap", "truncate",
-              "snapshot"]  # fmt: skip
+OPERATIONS = [
+    "byte",
+    "topic",
+    "delete",
+    "delete-with-link",
+    "duplicate",
+    "swap",
+    "truncate",
+    "snapshot",
+]
 
 
-def tamper(raw: Raw, operation: str, draw: st.DataObject, app: SchedulerApplication) -> tuple[int, Checkpoint | None]:  # fmt: skip
+def tamper(
+    raw: Raw, operation: str, draw: st.DataObject, app: SchedulerApplication
+) -> tuple[int, Checkpoint | None]:
     """Apply one tamper operation; the position ``audit verify`` must name (and the
     checkpoint to verify against, for a truncation)."""
     positions = raw.positions()
@@ -351,12 +373,15 @@ def tamper(raw: Raw, operation: str, draw: st.DataObject, app: SchedulerApplicat
     elif operation in ("delete", "delete-with-link"):
         raw.delete(position, link=operation == "delete-with-link")
     elif operation == "duplicate":
-        stream, version, topic, state = raw.event(position)
+        stream, version, topic, copied = raw.event(position)
         raw.rows(
             "INSERT INTO {events} (originator_id, originator_version, topic, state) "
             "VALUES (?, ?, ?, ?)",
-            stream, version + 100_000, topic, state,
-        )  # fmt: skip
+            stream,
+            version + 100_000,
+            topic,
+            copied,
+        )
         return raw.positions()[-1], None
     elif operation == "swap":
         other = positions[draw.draw(st.integers(pick + 1, len(positions) - 1), label="other")]
@@ -364,8 +389,8 @@ def tamper(raw: Raw, operation: str, draw: st.DataObject, app: SchedulerApplicat
         if (a[2], a[3]) == (b[2], b[3]):
             raw.set_state(position, a[3] + b" ")
         else:
-            raw.rows("UPDATE {events} SET topic = ?, state = ? WHERE {p} = ?", b[2], b[3], position)  # fmt: skip
-            raw.rows("UPDATE {events} SET topic = ?, state = ? WHERE {p} = ?", a[2], a[3], other)  # fmt: skip
+            raw.rows("UPDATE {events} SET topic = ?, state = ? WHERE {p} = ?", b[2], b[3], position)
+            raw.rows("UPDATE {events} SET topic = ?, state = ? WHERE {p} = ?", a[2], a[3], other)
     elif operation == "truncate":
         mark = checkpoint(app)
         raw.rows("DELETE FROM {events} WHERE {p} > ?", position)
@@ -380,15 +405,18 @@ def tamper(raw: Raw, operation: str, draw: st.DataObject, app: SchedulerApplicat
         stream, version, at = snapshots[draw.draw(st.integers(0, len(snapshots) - 1))]
         state = raw.rows(
             "SELECT state FROM {snapshots} WHERE originator_id = ? AND originator_version = ?",
-            stream, version,
-        )[0][0]  # fmt: skip
+            stream,
+            version,
+        )[0][0]
         forged = bytes(state).replace(b'"reserved"', b'"reserveD"', 1)
         if forged == bytes(state):
             forged = bytes(state) + b" "
         raw.rows(
             "UPDATE {snapshots} SET state = ? WHERE originator_id = ? AND originator_version = ?",
-            forged, stream, version,
-        )  # fmt: skip
+            forged,
+            stream,
+            version,
+        )
         return at, None
     return position, None
 
