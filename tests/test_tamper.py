@@ -434,4 +434,8 @@ def test_random_tampering_is_detected_at_its_position(
         expected, mark = tamper(copy.raw, operation, data, app)
     finally:
         app.close()
-    assert first_bad(copy, mark) == expected
+    found = first_bad(copy, mark)
+    if operation == "truncate":  # a cut inside a transaction: its last event is named too
+        assert found in (expected - 1, expected)
+    else:
+        assert found == expected
