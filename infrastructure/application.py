@@ -21,11 +21,14 @@ from uuid import UUID
 
 from eventsourcing.application import AggregateNotFoundError, Application, ProcessingEvent
 from eventsourcing.domain import Snapshot
-from eventsourcing.persistence import IntegrityError
+from eventsourcing.persistence import ApplicationRecorder, EventStore, IntegrityError
+from eventsourcing.postgres import PostgresDatastore
+from eventsourcing.sqlite import SQLiteDatastore
 from eventsourcing.utils import EnvType, strtobool
 from prometheus_client import CollectorRegistry
 
 from secondbox_scheduler.domain.assignment import to_durable_assignment
+from secondbox_scheduler.domain.chain import Chain
 from secondbox_scheduler.domain.errors import (
     AlreadyExistsError,
     InvalidRequestError,
@@ -61,6 +64,12 @@ from secondbox_scheduler.domain.values import (
     require_text,
 )
 from secondbox_scheduler.infrastructure.batcher import DEFAULT_BATCH_SIZE, PlacementBatcher
+from secondbox_scheduler.infrastructure.event_chain import (
+    ChainedRecorder,
+    SealedPostgresSnapshots,
+    SealedSnapshots,
+    SealedSQLiteSnapshots,
+)
 from secondbox_scheduler.infrastructure.metrics import (
     MetricsSink,
     PrometheusMetrics,
@@ -69,9 +78,13 @@ from secondbox_scheduler.infrastructure.metrics import (
 )
 from secondbox_scheduler.infrastructure.placement_batch import PlacementBatch
 from secondbox_scheduler.infrastructure.settings import (
+    APPLICATION_RECORDER_TOPIC,
+    AUDIT_KEY,
     BATCH_SIZE,
     BATCH_WAIT_MS,
     BATCHING,
+    CHAIN,
+    CHAINED_RECORDERS,
     CLOCK_TOLERANCE_SECONDS,
     DATABASE_URL,
     LEASE_RENEWAL_SECONDS,
@@ -229,6 +242,7 @@ class SchedulerApplication(Application[UUID]):
         self._sleep = sleep
         self._rng = rng or random.Random()
         self._rng_lock = threading.Lock()
+        self._may_create = True
         planned = self.construct_env(self.name, env)
         self.clock_tolerance = clock_tolerance(planned.get(CLOCK_TOLERANCE_SECONDS))
         with self._opening(planned):
@@ -280,7 +294,10 @@ class SchedulerApplication(Application[UUID]):
         if module == POSTGRES_MODULE:
             settings = {key: planned.get(key) or "" for key in POSTGRES_SETTINGS}
             if strtobool(planned.get("CREATE_TABLE") or "y"):
-                with postgres_schema_lock(settings):
+                with postgres_schema_lock(settings) as may_create:
+                    # a role without CREATE on the schema (the append-only application
+                    # role, docs/operations.md) opens the tables its owner created
+                    self._may_create = may_create
                     yield
                 return
             connect_postgres(settings).close()
@@ -293,7 +310,52 @@ class SchedulerApplication(Application[UUID]):
         url = environment.get(DATABASE_URL)
         if url:
             environment.update(settings_from_url(url))
+        module = environment.get("PERSISTENCE_MODULE") or ""
+        chained = (environment.get(CHAIN) or "on").lower() != "off"
+        if (
+            chained
+            and module in CHAINED_RECORDERS
+            and not environment.get(APPLICATION_RECORDER_TOPIC)
+        ):
+            environment[APPLICATION_RECORDER_TOPIC] = CHAINED_RECORDERS[module]
+        if not getattr(self, "_may_create", True):
+            environment["CREATE_TABLE"] = "n"
         return environment
+
+    @property
+    def chain(self) -> Chain:
+        """The chain of the stored events (keyed with ``SECONDBOX_AUDIT_KEY`` if set)."""
+        key = self.env.get(AUDIT_KEY) or ""
+        return Chain(key.encode() or None)
+
+    def construct_recorder(self) -> ApplicationRecorder:
+        recorder = super().construct_recorder()
+        if isinstance(recorder, ChainedRecorder):
+            recorder.configure(self.chain)
+        return recorder
+
+    def construct_snapshot_store(self) -> EventStore[UUID]:
+        """Snapshots sealed by the chain (:mod:`.event_chain`) when the events are chained."""
+        store = super().construct_snapshot_store()
+        recorder = self.recorder
+        if not isinstance(recorder, ChainedRecorder):
+            return store
+        name = store.recorder.events_table_name  # type: ignore[attr-defined]
+        create = strtobool(self.env.get("CREATE_TABLE") or "y")
+        datastore = getattr(self.factory, "datastore", None)
+        sealed: SealedSnapshots
+        if isinstance(datastore, SQLiteDatastore):
+            sealed = SealedSQLiteSnapshots(datastore, events_table_name=name)
+            if create:
+                sealed.create_table()
+        elif isinstance(datastore, PostgresDatastore):
+            sealed = SealedPostgresSnapshots(datastore, events_table_name=name)
+            if create:
+                sealed.create_table()
+        else:  # pragma: no cover - chained recorders exist for these two stores only
+            return store
+        sealed.configure(self.chain, recorder.events_table_name)
+        return EventStore(mapper=self.mapper, recorder=sealed)
 
     # -- helpers --------------------------------------------------------------
 

@@ -15,6 +15,12 @@ from typing import Any
 
 from secondbox_scheduler.domain.assignment import to_durable_assignment
 from secondbox_scheduler.domain.audit_fold import AuditFold, Violation
+from secondbox_scheduler.domain.chain import (
+    ChainedEvent,
+    ChainVerifier,
+    Checkpoint,
+    Finding,
+)
 from secondbox_scheduler.domain.errors import (
     InvalidRequestError,
     RunnerNotFoundError,
@@ -24,6 +30,13 @@ from secondbox_scheduler.domain.evidence import RunnerEvaluation, Unlisted, summ
 from secondbox_scheduler.domain.ids import lease_uuid, refusal_log_uuid, runner_uuid, sandbox_uuid
 from secondbox_scheduler.domain.values import DurableAssignment, RunnerSnapshot, require_text
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.event_chain import (
+    ChainedRecorder,
+    SealedSnapshots,
+    chain_head,
+    select_links,
+    stored_snapshots,
+)
 from secondbox_scheduler.projections.event_decoder import EventDecoder
 from secondbox_scheduler.projections.notification_reader import gc_paused, read_pages
 from secondbox_scheduler.projections.read_models import RebuildReport, read_raw
@@ -75,15 +88,47 @@ def _events(app: SchedulerApplication, until: Until) -> Iterator[tuple[int, Any]
 
 
 @dataclass
+class ChainReport:
+    """What the chain check found: how much of the log is chained, and how."""
+
+    chained: bool = False  # the store keeps a chain
+    keyed: bool = False  # digests are HMACs with SECONDBOX_AUDIT_KEY
+    unchained_until: int = 0  # the last position of the prefix from before the chain
+    links_checked: int = 0
+    snapshots_checked: int = 0
+    head: str | None = None  # POSITION:DIGEST of the last link checked
+    checkpoint: str | None = None  # the checkpoint the log was checked against
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "chained": self.chained,
+            "keyed": self.keyed,
+            "unchained_until": self.unchained_until,
+            "links_checked": self.links_checked,
+            "snapshots_checked": self.snapshots_checked,
+            "head": self.head,
+            "checkpoint": self.checkpoint,
+        }
+
+
+@dataclass
 class AuditReport(RebuildReport):
     """An audit replay: its rates (as a rebuild's), how far it went, what it found."""
 
     position: int = 0
     violations: list[Violation] = field(default_factory=list)
+    chain: ChainReport = field(default_factory=ChainReport)
 
     @property
     def ok(self) -> bool:
         return not self.violations
+
+    @property
+    def first_bad_position(self) -> int | None:
+        """The first position named by a violation (0: a snapshot whose event is gone,
+        position unknown, counts only when nothing else is named)."""
+        named = [v.position for v in self.violations if v.position > 0]
+        return min(named) if named else (0 if self.violations else None)
 
     def to_dict(self) -> dict[str, Any]:
         rates = super().to_dict()
@@ -92,8 +137,140 @@ class AuditReport(RebuildReport):
             "ok": self.ok,
             **rates,
             "position": self.position,
+            "first_bad_position": self.first_bad_position,
+            "chain": self.chain.to_dict(),
             "violations": [violation.to_dict() for violation in self.violations],
         }
+
+
+def checkpoint(app: SchedulerApplication) -> Checkpoint | None:
+    """The head of the chain (position and digest): keep it elsewhere, and later check
+    that the log still extends it (``verify(..., checkpoint=...)``). None: no link yet."""
+    head = chain_head(app.recorder)
+    return None if head is None else Checkpoint(head.position, head.digest)
+
+
+def parse_checkpoint(text: str) -> Checkpoint | bytes:
+    """``--checkpoint``: POSITION:DIGEST (as ``audit checkpoint`` prints it) or DIGEST."""
+    try:
+        return Checkpoint.parse(text)
+    except ValueError as error:
+        raise InvalidRequestError("checkpoint", str(error), printable_text(text)) from None
+
+
+def _chain_violation(finding: Finding, event: Any = None) -> Violation:
+    stream = "-" if event is None else str(event.originator_id)
+    name = "-" if event is None else str(event.topic).rpartition(":")[2]
+    return Violation(finding.position, stream, name, f"chain-{finding.kind}", finding.detail)
+
+
+class _SnapshotCheck:
+    """Every stored snapshot against the events it covers: its seal (the chain digest at
+    its version) and its state (the aggregate refolded from the events up to there)."""
+
+    def __init__(self, app: SchedulerApplication) -> None:
+        self.app = app
+        self.checked = 0
+        self.violations: list[Violation] = []
+        recorder = app.snapshots.recorder if app.snapshots is not None else None
+        self.sealed = isinstance(recorder, SealedSnapshots)
+        rows = stored_snapshots(recorder)
+        self.pending: dict[tuple[Any, int], tuple[Any, bytes | None, bytes | None, int]] = {}
+        self.last: dict[Any, int] = {}
+        for stored, seal, digest, position in rows:
+            key = (stored.originator_id, stored.originator_version)
+            self.pending[key] = (stored, seal, digest, position or 0)
+            self.last[stored.originator_id] = max(
+                self.last.get(stored.originator_id, 0), stored.originator_version
+            )
+        self.aggregates: dict[Any, Any] = {}
+        self.broken: set[Any] = set()
+
+    def apply(self, event: Any) -> None:
+        stream = event.originator_id
+        if stream not in self.last:
+            return
+        try:
+            self.aggregates[stream] = event.mutate(self.aggregates.get(stream))
+        except Exception:  # a tampered history; the chain names it
+            self.aggregates.pop(stream, None)
+            self.last.pop(stream, None)
+            self.broken.add(stream)
+            return
+        version = event.originator_version
+        found = self.pending.pop((stream, version), None)
+        if found is not None:
+            self._compare(found, self.aggregates[stream])
+        if version >= self.last[stream]:
+            self.aggregates.pop(stream, None)
+            self.last.pop(stream, None)
+
+    def _violation(self, stored: Any, position: int, detail: str) -> None:
+        self.violations.append(
+            Violation(
+                position,
+                str(stored.originator_id),
+                f"snapshot v{stored.originator_version}",
+                "snapshot",
+                detail,
+            )
+        )
+
+    def _compare(self, found: tuple[Any, bytes | None, bytes | None, int], aggregate: Any) -> None:
+        stored, seal, digest, position = found
+        self.checked += 1
+        if self.sealed and digest is not None:
+            reason = self.app.snapshots.recorder.refusal(stored, seal, digest)  # type: ignore[union-attr]
+            if reason:
+                self._violation(stored, position, reason)
+                return
+        mapper = self.app.mapper
+        try:
+            taken: Any = mapper.to_domain_event(stored)
+            snapshot_class = type(taken)
+            # both through the aggregate (a snapshot of an older class version is upcast
+            # there), then taken and transcoded alike
+            kept: Any = mapper.to_domain_event(
+                mapper.to_stored_event(snapshot_class.take(taken.mutate(None)))
+            )
+            fresh: Any = mapper.to_domain_event(
+                mapper.to_stored_event(snapshot_class.take(aggregate))
+            )
+        except Exception as error:
+            self._violation(stored, position, f"cannot be read ({type(error).__name__})")
+            return
+        if kept.state != fresh.state:
+            differ = sorted(
+                k for k in kept.state.keys() | fresh.state.keys()
+                if kept.state.get(k) != fresh.state.get(k)
+            )  # fmt: skip
+            self._violation(
+                stored,
+                position,
+                f"its state differs from the events up to its version ({', '.join(differ)})",
+            )
+
+    def finish(self, stop: int | None, end: int) -> None:
+        orphans = [s for s, _, _, position in self.pending.values() if not position]
+        if len(orphans) > 3:  # the log was cut short under its snapshots
+            self.checked += len(orphans)
+            self.violations.append(
+                Violation(end + 1, "-", "snapshots", "snapshot",
+                          f"{len(orphans)} snapshots have no event at their version "
+                          "(events deleted or the log truncated)")
+            )  # fmt: skip
+            self.pending = {k: v for k, v in self.pending.items() if v[3]}
+        for stored, _, _, position in self.pending.values():
+            if stop is None or position <= stop:
+                self.checked += 1
+                broken = stored.originator_id in self.broken
+                self._violation(
+                    stored,
+                    position,
+                    "cannot be checked: the events of its stream do not fold up to its version"
+                    if broken
+                    else "no event at its version",
+                )
 
 
 def fold(
@@ -114,17 +291,131 @@ def verify(
     until: Until = None,
     progress: Callable[[int], None] = lambda _: None,
     measure_raw: bool = True,
+    checkpoint: Checkpoint | bytes | None = None,
 ) -> AuditReport:
-    """Replay the log through the audit fold; every violation with its position and rule."""
+    """Replay the log through the audit fold; every violation with its position and rule.
+    On a chained store, every event is also checked against its link of the chain, every
+    stored snapshot against its seal and the events, and the log against ``checkpoint``."""
     raw_seconds = 0.0
     if measure_raw:
         started = time.perf_counter()
         read_raw(app, until=until if isinstance(until, int) else None)
         raw_seconds = time.perf_counter() - started
     started = time.perf_counter()
-    audit = fold(app, until, progress)
+    audit, chain = _checked_fold(app, until, progress, checkpoint)
     seconds = time.perf_counter() - started
-    return AuditReport(audit.events, seconds, raw_seconds, audit.position, audit.violations)
+    violations = sorted(audit.violations, key=lambda v: v.position)
+    return AuditReport(audit.events, seconds, raw_seconds, audit.position, violations, chain)
+
+
+def _checked_fold(
+    app: SchedulerApplication,
+    until: Until,
+    progress: Callable[[int], None],
+    checkpoint: Checkpoint | bytes | None,
+) -> tuple[AuditFold, ChainReport]:
+    """The audit fold over the log, with the chain checked position by position."""
+    recorder = app.recorder
+    chained = isinstance(recorder, ChainedRecorder)
+    verifier = ChainVerifier(app.chain)
+    if checkpoint is not None:
+        verifier.expect(checkpoint)
+    snapshots = _SnapshotCheck(app)
+    audit = AuditFold()
+    decode = EventDecoder(app.mapper)
+    stop = until if isinstance(until, int) else None
+    after_time = until if isinstance(until, datetime) else None
+    violations: list[Violation] = []
+    read = 0
+    last = 0
+    finished = False
+    with gc_paused():
+        pages = read_pages(
+            recorder, until=stop, page_size=READ_PAGE, first_page_size=PAGE, read_ahead=True
+        )
+        for page in pages:
+            links = select_links(recorder, last, page[-1].id) if chained else []
+            index = 0
+            for notification in page:
+                position = notification.id
+                while index < len(links) and links[index].position < position:
+                    verifier.feed(None, links[index])  # a link whose event was deleted
+                    index += 1
+                link = None
+                if index < len(links) and links[index].position == position:
+                    link = links[index]
+                    index += 1
+                event: Any = None
+                try:
+                    event = decode(notification)
+                except Exception as error:
+                    violations.append(
+                        Violation(position, str(notification.originator_id),
+                                  notification.topic.rpartition(":")[2], "unreadable",
+                                  f"the event cannot be decoded ({type(error).__name__})")
+                    )  # fmt: skip
+                if after_time is not None and event is not None and event.timestamp > after_time:
+                    finished = True
+                    break
+                if chained:
+                    state: Any = notification.state
+                    verifier.feed(
+                        ChainedEvent(
+                            position,
+                            notification.originator_id,
+                            notification.originator_version,
+                            str(notification.topic),
+                            state.encode() if isinstance(state, str) else bytes(state),
+                        ),
+                        link,
+                    )
+                if event is not None:
+                    try:
+                        audit.apply(position, event)
+                    except Exception as error:
+                        violations.append(
+                            Violation(position, str(notification.originator_id),
+                                      type(event).__qualname__, "unfoldable",
+                                      f"the fold cannot apply it ({type(error).__name__}: "
+                                      f"{error})")
+                        )  # fmt: skip
+                    snapshots.apply(event)
+                read += 1
+                if read % PAGE == 0:
+                    progress(PAGE)
+                last = position
+            if finished:
+                break
+            for link in links[index:]:
+                verifier.feed(None, link)
+            last = page[-1].id
+        if chained and not finished:
+            for link in select_links(recorder, last, stop):
+                verifier.feed(None, link)  # links after the last event: events deleted
+        try:
+            audit.finish()
+        except Exception as error:  # pragma: no cover - a tampered history
+            violations.append(Violation(last, "-", "-", "unfoldable", str(error)))
+    snapshots.finish(None if finished else stop, max(last, verifier.last_position))
+    if chained and checkpoint is not None:
+        verifier.check(checkpoint)
+    elif checkpoint is not None:
+        verifier.findings.append(Finding(0, "unchained", "this store keeps no chain"))
+    audit.violations.extend(violations)
+    audit.violations.extend(_chain_violation(finding) for finding in verifier.findings)
+    audit.violations.extend(snapshots.violations)
+    head = verifier.head
+    report = ChainReport(
+        chained=chained,
+        keyed=app.chain.keyed,
+        unchained_until=verifier.unchained_until,
+        links_checked=verifier.links_checked,
+        snapshots_checked=snapshots.checked,
+        head=None if head is None else str(Checkpoint(head.position, head.digest)),
+        checkpoint=None if checkpoint is None else (
+            checkpoint.hex() if isinstance(checkpoint, bytes) else str(checkpoint)),
+    )  # fmt: skip
+    return audit, report
 
 
 @dataclass

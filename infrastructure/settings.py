@@ -29,6 +29,17 @@ BATCHING = "SECONDBOX_BATCHING"
 BATCH_SIZE = "SECONDBOX_BATCH_SIZE"
 BATCH_WAIT_MS = "SECONDBOX_BATCH_WAIT_MS"
 DEFAULT_SQLITE_URL = "sqlite:///secondbox.db"
+# The key of the event chain and snapshot seals (HMAC-SHA-256; unset: SHA-256 alone).
+AUDIT_KEY = "SECONDBOX_AUDIT_KEY"
+# Hidden, for the bench's comparison only: "off" stores events without the chain.
+CHAIN = "SECONDBOX_CHAIN"
+APPLICATION_RECORDER_TOPIC = "APPLICATION_RECORDER_TOPIC"
+CHAINED_RECORDERS = {
+    "eventsourcing.sqlite": "secondbox_scheduler.infrastructure.event_chain:ChainedSQLiteRecorder",
+    "eventsourcing.postgres": (
+        "secondbox_scheduler.infrastructure.event_chain:ChainedPostgresRecorder"
+    ),
+}
 
 SQLITE_MODULE = "eventsourcing.sqlite"
 POSTGRES_MODULE = "eventsourcing.postgres"

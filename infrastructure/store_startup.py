@@ -101,15 +101,21 @@ def connect_postgres(settings: Mapping[str, str]) -> psycopg.Connection[tuple[ob
 
 
 @contextmanager
-def postgres_schema_lock(settings: Mapping[str, str]) -> Iterator[None]:
+def postgres_schema_lock(settings: Mapping[str, str]) -> Iterator[bool]:
     """Check that the server answers, then hold an advisory lock (one per schema) while
-    the body creates what is missing."""
+    the body creates what is missing. Yields whether this role may create in the schema
+    (an application role that may not opens the tables as its owner made them)."""
     schema = settings.get("POSTGRES_SCHEMA") or "public"
     key = zlib.crc32(f"secondbox-scheduler schema {schema}".encode())
     with connect_postgres(settings) as connection:
+        row = connection.execute(
+            "SELECT has_schema_privilege(n.oid, 'CREATE') FROM pg_namespace n WHERE n.nspname = %s",
+            (schema,),
+        ).fetchone()
+        may_create = row is None or bool(row[0])
         connection.execute("SELECT pg_advisory_lock(%s)", (key,))
         try:
-            yield
+            yield may_create
         finally:
             connection.execute("SELECT pg_advisory_unlock(%s)", (key,))
 

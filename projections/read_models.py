@@ -27,7 +27,7 @@ from eventsourcing.persistence import IntegrityError, Tracking
 from eventsourcing.postgres import PostgresApplicationRecorder
 from eventsourcing.projection import Projection, ProjectionRunner
 from eventsourcing.sqlite import SQLiteApplicationRecorder
-from eventsourcing.utils import resolve_topic
+from eventsourcing.utils import resolve_topic, strtobool
 
 from secondbox_scheduler.domain.event_topics import topics_of
 from secondbox_scheduler.projections.assignments import (
@@ -115,7 +115,8 @@ class ReadModels:
         self.projections: dict[str, Projection[Any]] = {}
         for name, view_class in VIEWS[module].items():
             view = view_class(datastore)  # type: ignore[call-arg]
-            view.create_table()  # type: ignore[attr-defined]  # from the concrete recorder
+            if strtobool(app.env.get("CREATE_TABLE") or "y"):  # off: a role that may not
+                view.create_table()  # type: ignore[attr-defined]  # from the concrete recorder
             view.ensure_position(app.name)
             self.views[name] = view
             self.projections[name] = PROJECTIONS[name](view)

@@ -23,6 +23,7 @@ import typer
 from secondbox_scheduler.infrastructure.cli import (
     audit,
     bench,
+    db,
     faults,
     inspection,
     lifecycle,
@@ -58,6 +59,7 @@ cli.registered_commands += [
 cli.add_typer(projections.projections_cli, name="projections")
 cli.add_typer(audit.audit_cli, name="audit")
 cli.add_typer(bench.bench_cli, name="bench")
+cli.add_typer(db.db_cli, name="db")
 
 
 def main() -> None:

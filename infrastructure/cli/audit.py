@@ -3,7 +3,7 @@ the events (``whatif``'s options and report are in :mod:`.whatif`)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich import box
@@ -29,6 +29,9 @@ from secondbox_scheduler.infrastructure.cli.inspection import (
 )
 from secondbox_scheduler.infrastructure.cli.whatif import WHATIF_HELP, audit_whatif
 from secondbox_scheduler.infrastructure.settings import DEFAULT_SQLITE_URL
+
+if TYPE_CHECKING:
+    from secondbox_scheduler.infrastructure.audit_replay import ChainReport
 
 audit_cli = typer.Typer(
     help=(
@@ -60,20 +63,38 @@ UntilOption = Annotated[
 def audit_verify(
     database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
     until: UntilOption = None,
+    checkpoint: Annotated[
+        str | None,
+        typer.Option(
+            "--checkpoint",
+            help=(
+                "Also fail unless the log still extends this checkpoint (POSITION:DIGEST as "
+                "`audit checkpoint` prints it, or the DIGEST alone): truncated, rewritten or "
+                "rolled back logs fail. Give the same SECONDBOX_AUDIT_KEY as when it was taken."
+            ),
+        ),
+    ] = None,
     as_json: JsonOutput = False,
 ) -> None:
-    from secondbox_scheduler.infrastructure.audit_replay import parse_until, verify
+    from secondbox_scheduler.infrastructure.audit_replay import (
+        parse_checkpoint,
+        parse_until,
+        verify,
+    )
 
     with reported_errors(), store_errors(database_url):
         app = open_store(database_url)
         limit = parse_until(until)
+        expected = None if checkpoint is None else parse_checkpoint(checkpoint)
         total = app.event_count()
         with Progress(
             TextColumn("verifying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             console=Console(stderr=True), disable=as_json, transient=True,
         ) as bar:  # fmt: skip
             task = bar.add_task("verify", total=total)
-            report = verify(app, limit, progress=lambda n: bar.advance(task, n))
+            report = verify(
+                app, limit, progress=lambda n: bar.advance(task, n), checkpoint=expected
+            )
         app.close()
     if as_json:
         print_json(report.to_dict())
@@ -91,8 +112,61 @@ def audit_verify(
             f"{report.seconds:.2f}s ({report.events_per_second:,.0f} events/s; raw notification "
             f"read {report.raw_events_per_second:,.0f} events/s)"
         )
+        console.print(chain_line(report.chain))
     if not report.ok:
         raise typer.Exit(1)
+
+
+def chain_line(chain: ChainReport) -> str:
+    """One line on the chain: how much of the log it covers, the snapshots, the key."""
+    if not chain.chained:
+        return "chain: this store keeps no chain"
+    parts = [f"chain: {chain.links_checked:,} links checked"]
+    if chain.unchained_until:
+        parts.append(
+            f"unchained up to position {chain.unchained_until:,} (written before the chain)"
+        )
+    parts.append(f"{chain.snapshots_checked:,} snapshots checked")
+    parts.append("keyed (HMAC-SHA-256)" if chain.keyed else "not keyed (SHA-256)")
+    if chain.checkpoint:
+        parts.append(f"checked against checkpoint {chain.checkpoint}")
+    return "; ".join(parts)
+
+
+@audit_cli.command(
+    "checkpoint",
+    help=(
+        "Print the head of the event chain: its position and digest (POSITION:DIGEST). Keep "
+        "it elsewhere (a ticket, a log line, another system); `audit verify --checkpoint` "
+        "later fails if the log no longer extends it. Keyed with SECONDBOX_AUDIT_KEY when "
+        "set.\n\n[bold]Examples[/bold]\n\n"
+        "  secondbox-scheduler audit checkpoint\n"
+        "  secondbox-scheduler audit checkpoint --json"
+    ),
+)
+def audit_checkpoint(
+    database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
+    as_json: JsonOutput = False,
+) -> None:
+    from secondbox_scheduler.infrastructure.audit_replay import checkpoint
+
+    with reported_errors(), store_errors(database_url):
+        app = open_store(database_url)
+        head = checkpoint(app)
+        keyed = app.chain.keyed
+        app.close()
+    if head is None:
+        stdout().print("no checkpoint: the log has no chained event yet", highlight=False)
+        raise typer.Exit(1)
+    if as_json:
+        print_json({
+            "checkpoint": str(head),
+            "position": head.position,
+            "digest": head.digest.hex(),
+            "keyed": keyed,
+        })  # fmt: skip
+        return
+    stdout().print(str(head), highlight=False)
 
 
 @audit_cli.command(

@@ -1,0 +1,524 @@
+"""Recorders that chain every stored event and seal every snapshot (domain/chain.py).
+
+:class:`ChainedSQLiteRecorder` and :class:`ChainedPostgresRecorder` are the library's
+application recorders plus a chain table (``<events table>_chain``: position, previous
+position, digest), written in the same transaction as the events. Inserts are already
+serialised (SQLite: the database's write lock; PostgreSQL: the events table's
+``EXCLUSIVE`` lock), so the head of the chain read inside the transaction is the link
+before the new events, whichever replica commits next.
+
+On PostgreSQL the lock is taken by a ``SECURITY DEFINER`` function owned by the schema
+owner (``<events table>_lock()``) instead of ``LOCK TABLE`` in the application's own
+session: ``LOCK TABLE ... IN EXCLUSIVE MODE`` needs UPDATE, DELETE or TRUNCATE privilege
+on the table, which an append-only application role does not have (docs/operations.md).
+
+:class:`SealedSQLiteSnapshots` and :class:`SealedPostgresSnapshots` store each snapshot
+with a seal (``<snapshots table>_seal``) over the chain digest of the event at the
+snapshot's version, and return from ``select_events`` only snapshots whose seal checks:
+a forged, edited or mismatched snapshot is dropped with a warning, and the repository
+then loads the aggregate from its events.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Sequence
+from typing import Any
+from uuid import UUID
+
+from eventsourcing.persistence import (
+    InterfaceError,
+    OperationalError,
+    ProgrammingError,
+    StoredEvent,
+)
+from eventsourcing.postgres import (
+    PostgresAggregateRecorder,
+    PostgresApplicationRecorder,
+    PostgresDatastore,
+)
+from eventsourcing.sqlite import (
+    SQLiteAggregateRecorder,
+    SQLiteApplicationRecorder,
+    SQLiteCursor,
+    SQLiteDatastore,
+)
+from eventsourcing.utils import retry
+from psycopg.rows import tuple_row
+from psycopg.sql import SQL, Composed, Identifier
+
+from secondbox_scheduler.domain.chain import Chain, ChainedEvent, Link
+
+log = logging.getLogger("secondbox_scheduler.chain")
+
+UNCHAINED = "no chain link at its version (written before the chain)"
+
+
+def chain_table(events_table: str) -> str:
+    return f"{events_table}_chain"
+
+
+def seal_table(snapshots_table: str) -> str:
+    return f"{snapshots_table}_seal"
+
+
+def lock_function(events_table: str) -> str:
+    return f"{events_table}_lock"
+
+
+def _as_link(row: Sequence[Any] | None) -> Link | None:
+    return None if row is None else Link(int(row[0]), int(row[1]), bytes(row[2]))
+
+
+class ChainedRecorder:
+    """What the chained recorders share: the chain (keyed or not) they write."""
+
+    chain: Chain = Chain()
+    events_table_name: str
+
+    def configure(self, chain: Chain) -> None:
+        self.chain = chain
+
+    @property
+    def chain_table_name(self) -> str:
+        return chain_table(self.events_table_name)
+
+
+class ChainedSQLiteRecorder(ChainedRecorder, SQLiteApplicationRecorder):
+    """SQLite: the position of an event is its rowid."""
+
+    def __init__(self, datastore: SQLiteDatastore, events_table_name: str = "stored_events"):
+        super().__init__(datastore, events_table_name)
+        chain = chain_table(events_table_name)
+        self.select_head_statement = (
+            f"SELECT position, previous, digest FROM {chain} ORDER BY position DESC LIMIT 1"
+        )
+        self.insert_links_statement = f"INSERT INTO {chain} VALUES (?, ?, ?)"
+
+    def construct_create_table_statements(self) -> list[str]:
+        statements = super().construct_create_table_statements()
+        statements.append(
+            f"CREATE TABLE IF NOT EXISTS {chain_table(self.events_table_name)} ("
+            "position INTEGER PRIMARY KEY, previous INTEGER NOT NULL, digest BLOB NOT NULL)"
+        )
+        return statements
+
+    def _insert_events(
+        self, c: SQLiteCursor, stored_events: Sequence[StoredEvent], **kwargs: Any
+    ) -> Sequence[int] | None:
+        positions = super()._insert_events(c, stored_events, **kwargs)
+        assert positions is not None
+        c.execute(self.select_head_statement)
+        head = _as_link(c.fetchone())
+        links = self.chain.links(
+            head,
+            [
+                ChainedEvent(p, s.originator_id, s.originator_version, s.topic, s.state)
+                for p, s in zip(positions, stored_events, strict=True)
+            ],
+        )
+        c.executemany(
+            self.insert_links_statement, [(k.position, k.previous, k.digest) for k in links]
+        )
+        return positions
+
+
+class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
+    """PostgreSQL: the position of an event is its notification id."""
+
+    def __init__(
+        self, datastore: PostgresDatastore, *, events_table_name: str = "stored_events"
+    ) -> None:
+        super().__init__(datastore, events_table_name=events_table_name)
+        schema = Identifier(datastore.schema)
+        events = Identifier(events_table_name)
+        chain = Identifier(chain_table(events_table_name))
+        function = Identifier(lock_function(events_table_name))
+        self.check_identifier_length(chain_table(events_table_name))
+        self.sql_create_statements.append(
+            SQL(
+                "CREATE TABLE IF NOT EXISTS {}.{} (position bigint PRIMARY KEY, "
+                "previous bigint NOT NULL, digest bytea NOT NULL)"
+            ).format(schema, chain)
+        )
+        self.sql_create_statements.append(
+            SQL(
+                "CREATE OR REPLACE FUNCTION {schema}.{function}() RETURNS void "
+                "LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS "
+                "$BODY$BEGIN LOCK TABLE {schema}.{events} IN EXCLUSIVE MODE; END;$BODY$"
+            ).format(schema=schema, function=function, events=events)
+        )
+        self.lock_table_statements = [
+            SQL("SET LOCAL lock_timeout = '{0}s'").format(datastore.lock_timeout),
+            SQL("SELECT {}.{}()").format(schema, function),
+        ]
+        self.select_head_statement: Composed = SQL(
+            "SELECT position, previous, digest FROM {}.{} ORDER BY position DESC LIMIT 1"
+        ).format(schema, chain)
+        self.insert_links_statement: Composed = SQL("INSERT INTO {}.{} VALUES (%s, %s, %s)").format(
+            schema, chain
+        )
+
+    @retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
+    def insert_events(
+        self, stored_events: Sequence[StoredEvent], **kwargs: Any
+    ) -> Sequence[int] | None:
+        """As the library's (one pipelined transaction), with the head of the chain read
+        after the lock and the new links inserted before the commit."""
+        if self.datastore.enable_db_functions:
+            raise ProgrammingError("the chained recorder does not use database functions")
+        exc: Exception | None = None
+        notification_ids: Sequence[int] | None = None
+        with self.datastore.get_connection() as conn:
+            with conn.pipeline() as pipeline, conn.transaction():
+                with conn.cursor() as curs:
+                    self._lock_table(curs)
+                    self._notify_channel(curs)
+                if stored_events:
+                    with (
+                        conn.cursor(row_factory=tuple_row) as head_cursor,
+                        conn.cursor() as curs,
+                    ):
+                        try:
+                            head_cursor.execute(self.select_head_statement, prepare=True)
+                            PostgresAggregateRecorder._insert_stored_events(
+                                self, curs, stored_events
+                            )
+                            pipeline.sync()
+                            notification_ids = self._fetch_ids_after_insert_events(
+                                curs, stored_events
+                            )
+                            assert notification_ids is not None
+                            head = _as_link(head_cursor.fetchone())
+                            links = self.chain.links(
+                                head,
+                                [
+                                    ChainedEvent(
+                                        p, s.originator_id, s.originator_version, s.topic, s.state
+                                    )
+                                    for p, s in zip(notification_ids, stored_events, strict=True)
+                                ],
+                            )
+                            curs.executemany(
+                                self.insert_links_statement,
+                                [(k.position, k.previous, k.digest) for k in links],
+                            )
+                        except Exception as e:
+                            exc = e  # raised after the pipeline is closed, as the library does
+            if exc:
+                raise exc
+        return notification_ids
+
+
+# -- snapshots ----------------------------------------------------------------------
+
+
+class SealedSnapshots:
+    """What the sealing snapshot recorders share."""
+
+    chain: Chain = Chain()
+    events_table_name: str
+    chained_events_table: str = "stored_events"
+
+    def configure(self, chain: Chain, events_table: str) -> None:
+        self.chain = chain
+        self.chained_events_table = events_table
+
+    def seal_for(self, event: StoredEvent, chain_digest: bytes) -> bytes:
+        return self.chain.seal(
+            chain_digest, event.originator_id, event.originator_version, event.topic, event.state
+        )
+
+    def refusal(self, event: StoredEvent, seal: bytes | None, chain_digest: bytes | None) -> str:
+        """Why this stored snapshot cannot be trusted ("" if its seal checks)."""
+        if chain_digest is None:
+            return UNCHAINED
+        if seal is None:
+            return "no seal"
+        if not hmac.compare_digest(self.seal_for(event, chain_digest), seal):
+            return "its seal does not match its state and the chain at its version"
+        return ""
+
+    def verified(self, rows: Sequence[tuple[StoredEvent, Any, Any]]) -> list[StoredEvent]:
+        """The snapshots whose seal checks; each other one logged and dropped."""
+        kept = []
+        for event, seal, chain_digest in rows:
+            reason = self.refusal(
+                event,
+                None if seal is None else bytes(seal),
+                None if chain_digest is None else bytes(chain_digest),
+            )
+            if not reason:
+                kept.append(event)
+                continue
+            (log.debug if reason == UNCHAINED else log.warning)(
+                "snapshot of %s at version %s refused (%s): loading it from its events",
+                event.originator_id,
+                event.originator_version,
+                reason,
+            )
+        return kept
+
+
+class SealedSQLiteSnapshots(SealedSnapshots, SQLiteAggregateRecorder):
+    def construct_create_table_statements(self) -> list[str]:
+        statements = super().construct_create_table_statements()
+        statements.append(
+            f"CREATE TABLE IF NOT EXISTS {seal_table(self.events_table_name)} ("
+            "originator_id TEXT, originator_version INTEGER, seal BLOB NOT NULL, "
+            "PRIMARY KEY (originator_id, originator_version))"
+        )
+        return statements
+
+    def _insert_events(
+        self, c: SQLiteCursor, stored_events: Sequence[StoredEvent], **kwargs: Any
+    ) -> Sequence[int] | None:
+        super()._insert_events(c, stored_events, **kwargs)
+        events, chain = self.chained_events_table, chain_table(self.chained_events_table)
+        seals = []
+        for s in stored_events:
+            identity = s.originator_id.hex if isinstance(s.originator_id, UUID) else s.originator_id
+            c.execute(
+                f"SELECT c.digest FROM {events} e JOIN {chain} c ON c.position = e.rowid "
+                "WHERE e.originator_id = ? AND e.originator_version = ?",
+                (identity, s.originator_version),
+            )
+            row = c.fetchone()
+            if row is not None:
+                seals.append((identity, s.originator_version, self.seal_for(s, bytes(row[0]))))
+        if seals:
+            c.executemany(
+                f"INSERT INTO {seal_table(self.events_table_name)} VALUES (?, ?, ?)", seals
+            )
+        return None
+
+    def select_events(
+        self,
+        originator_id: UUID | str,
+        *,
+        gt: int | None = None,
+        lte: int | None = None,
+        desc: bool = False,
+        limit: int | None = None,
+    ) -> Sequence[StoredEvent]:
+        snapshots, seals = self.events_table_name, seal_table(self.events_table_name)
+        events, chain = self.chained_events_table, chain_table(self.chained_events_table)
+        statement = (
+            f"SELECT s.originator_id, s.originator_version, s.topic, s.state, g.seal, c.digest "
+            f"FROM {snapshots} s LEFT JOIN {seals} g ON g.originator_id = s.originator_id "
+            "AND g.originator_version = s.originator_version "
+            f"LEFT JOIN {events} e ON e.originator_id = s.originator_id "
+            "AND e.originator_version = s.originator_version "
+            f"LEFT JOIN {chain} c ON c.position = e.rowid WHERE s.originator_id = ? "
+        )
+        params: list[Any] = [
+            originator_id.hex if isinstance(originator_id, UUID) else originator_id
+        ]
+        if gt is not None:
+            statement += "AND s.originator_version > ? "
+            params.append(gt)
+        if lte is not None:
+            statement += "AND s.originator_version <= ? "
+            params.append(lte)
+        statement += "ORDER BY s.originator_version " + ("DESC " if desc else "ASC ")
+        if limit is not None:
+            statement += "LIMIT ?"
+            params.append(limit)
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(statement, params)
+            rows = c.fetchall()
+        return self.verified([
+            (
+                StoredEvent(self.convert_originator_id(r[0]), r[1], r[2], bytes(r[3])),
+                r[4],
+                r[5],
+            )
+            for r in rows
+        ])  # fmt: skip
+
+
+class SealedPostgresSnapshots(SealedSnapshots, PostgresAggregateRecorder):
+    def __init__(
+        self, datastore: PostgresDatastore, *, events_table_name: str = "stored_snapshots"
+    ) -> None:
+        super().__init__(datastore, events_table_name=events_table_name)
+        self.check_identifier_length(seal_table(events_table_name))
+        self.sql_create_statements.append(
+            SQL(
+                "CREATE TABLE IF NOT EXISTS {}.{} (originator_id uuid NOT NULL, "
+                "originator_version bigint NOT NULL, seal bytea NOT NULL, "
+                "PRIMARY KEY (originator_id, originator_version))"
+            ).format(Identifier(datastore.schema), Identifier(seal_table(events_table_name)))
+        )
+
+    def _names(self) -> dict[str, Identifier]:
+        return {
+            "schema": Identifier(self.datastore.schema),
+            "snapshots": Identifier(self.events_table_name),
+            "seals": Identifier(seal_table(self.events_table_name)),
+            "events": Identifier(self.chained_events_table),
+            "chain": Identifier(chain_table(self.chained_events_table)),
+        }
+
+    @retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
+    def insert_events(
+        self, stored_events: Sequence[StoredEvent], **kwargs: Any
+    ) -> Sequence[int] | None:
+        if not stored_events:
+            return None
+        names = self._names()
+        find = SQL(
+            "SELECT c.digest FROM {schema}.{events} e JOIN {schema}.{chain} c "
+            "ON c.position = e.notification_id "
+            "WHERE e.originator_id = %s AND e.originator_version = %s"
+        ).format(**names)
+        insert = SQL("INSERT INTO {schema}.{seals} VALUES (%s, %s, %s)").format(**names)
+        with (
+            self.datastore.get_connection() as conn,
+            conn.transaction(),
+            conn.cursor(row_factory=tuple_row) as curs,
+        ):
+            self._insert_stored_events(curs, stored_events, **kwargs)  # type: ignore[arg-type]
+            for s in stored_events:
+                curs.execute(find, (s.originator_id, s.originator_version), prepare=True)
+                row = curs.fetchone()
+                if row is not None:
+                    seal = self.seal_for(s, bytes(row[0]))
+                    curs.execute(insert, (s.originator_id, s.originator_version, seal))
+        return None
+
+    @retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
+    def select_events(
+        self,
+        originator_id: UUID | str,
+        *,
+        gt: int | None = None,
+        lte: int | None = None,
+        desc: bool = False,
+        limit: int | None = None,
+    ) -> Sequence[StoredEvent]:
+        statement = SQL(
+            "SELECT s.originator_id, s.originator_version, s.topic, s.state, g.seal, c.digest "
+            "FROM {schema}.{snapshots} s LEFT JOIN {schema}.{seals} g "
+            "ON g.originator_id = s.originator_id AND g.originator_version = s.originator_version "
+            "LEFT JOIN {schema}.{events} e ON e.originator_id = s.originator_id "
+            "AND e.originator_version = s.originator_version "
+            "LEFT JOIN {schema}.{chain} c ON c.position = e.notification_id "
+            "WHERE s.originator_id = %s"
+        ).format(**self._names())
+        params: list[Any] = [originator_id]
+        if gt is not None:
+            statement += SQL(" AND s.originator_version > %s")
+            params.append(gt)
+        if lte is not None:
+            statement += SQL(" AND s.originator_version <= %s")
+            params.append(lte)
+        statement += SQL(" ORDER BY s.originator_version DESC" if desc else " ORDER BY 2 ASC")
+        if limit is not None:
+            statement += SQL(" LIMIT %s")
+            params.append(limit)
+        with (
+            self.datastore.get_connection() as conn,
+            conn.cursor(row_factory=tuple_row) as curs,
+        ):
+            curs.execute(statement, params, prepare=True)
+            rows = curs.fetchall()
+        return self.verified(
+            [(StoredEvent(r[0], r[1], r[2], bytes(r[3])), r[4], r[5]) for r in rows]
+        )
+
+
+# -- reading the chain (audit) --------------------------------------------------------
+
+
+def chain_head(recorder: object) -> Link | None:
+    """The last link of the chain (None: no link, or the recorder does not chain)."""
+    if isinstance(recorder, ChainedSQLiteRecorder):
+        with recorder.datastore.transaction(commit=False) as c:
+            c.execute(recorder.select_head_statement)
+            return _as_link(c.fetchone())
+    if isinstance(recorder, ChainedPostgresRecorder):
+        with (
+            recorder.datastore.get_connection() as conn,
+            conn.cursor(row_factory=tuple_row) as curs,
+        ):
+            curs.execute(recorder.select_head_statement)
+            return _as_link(curs.fetchone())
+    return None
+
+
+def select_links(recorder: object, after: int, upto: int | None) -> list[Link]:
+    """The links after position ``after`` up to ``upto`` (inclusive; None: all), in order."""
+    if isinstance(recorder, ChainedSQLiteRecorder):
+        statement = (
+            f"SELECT position, previous, digest FROM {recorder.chain_table_name} "
+            "WHERE position > ? " + ("AND position <= ? " if upto is not None else "")
+        ) + "ORDER BY position"
+        with recorder.datastore.transaction(commit=False) as c:
+            c.execute(statement, (after,) if upto is None else (after, upto))
+            return [Link(r[0], r[1], bytes(r[2])) for r in c.fetchall()]
+    if isinstance(recorder, ChainedPostgresRecorder):
+        query = SQL("SELECT position, previous, digest FROM {}.{} WHERE position > %s").format(
+            Identifier(recorder.datastore.schema), Identifier(recorder.chain_table_name)
+        )
+        if upto is not None:
+            query += SQL(" AND position <= %s")
+        query += SQL(" ORDER BY position")
+        with (
+            recorder.datastore.get_connection() as conn,
+            conn.cursor(row_factory=tuple_row, binary=True) as curs,
+        ):
+            curs.execute(query, (after,) if upto is None else (after, upto))
+            return [Link(r[0], r[1], bytes(r[2])) for r in curs.fetchall()]
+    return []
+
+
+def stored_snapshots(
+    recorder: object,
+) -> list[tuple[StoredEvent, bytes | None, bytes | None, int | None]]:
+    """Every stored snapshot, raw: (snapshot, its seal, the chain digest at its version,
+    the position of the event at its version); None where there is none."""
+    rows: list[Any]
+    if isinstance(recorder, SealedSQLiteSnapshots):
+        events, chain = recorder.chained_events_table, chain_table(recorder.chained_events_table)
+        with recorder.datastore.transaction(commit=False) as c:
+            c.execute(
+                "SELECT s.originator_id, s.originator_version, s.topic, s.state, g.seal, "
+                f"c.digest, e.rowid FROM {recorder.events_table_name} s "
+                f"LEFT JOIN {seal_table(recorder.events_table_name)} g "
+                "ON g.originator_id = s.originator_id "
+                "AND g.originator_version = s.originator_version "
+                f"LEFT JOIN {events} e ON e.originator_id = s.originator_id "
+                "AND e.originator_version = s.originator_version "
+                f"LEFT JOIN {chain} c ON c.position = e.rowid "
+                "ORDER BY s.originator_id, s.originator_version"
+            )
+            rows = [(UUID(r[0]), *r[1:]) for r in c.fetchall()]
+    elif isinstance(recorder, SealedPostgresSnapshots):
+        query = SQL(
+            "SELECT s.originator_id, s.originator_version, s.topic, s.state, g.seal, c.digest, "
+            "e.notification_id FROM {schema}.{snapshots} s LEFT JOIN {schema}.{seals} g "
+            "ON g.originator_id = s.originator_id AND g.originator_version = s.originator_version "
+            "LEFT JOIN {schema}.{events} e ON e.originator_id = s.originator_id "
+            "AND e.originator_version = s.originator_version "
+            "LEFT JOIN {schema}.{chain} c ON c.position = e.notification_id "
+            "ORDER BY s.originator_id, s.originator_version"
+        ).format(**recorder._names())
+        with (
+            recorder.datastore.get_connection() as conn,
+            conn.cursor(row_factory=tuple_row, binary=True) as curs,
+        ):
+            curs.execute(query)
+            rows = curs.fetchall()
+    else:
+        return []
+    return [
+        (
+            StoredEvent(r[0], r[1], r[2], bytes(r[3])),
+            None if r[4] is None else bytes(r[4]),
+            None if r[5] is None else bytes(r[5]),
+            r[6],
+        )
+        for r in rows
+    ]

@@ -1,0 +1,121 @@
+"""The append-only application role on PostgreSQL (issue 13): the scheduler works under
+a role that may only INSERT and SELECT its events, and the server itself refuses that
+role's UPDATE, DELETE and TRUNCATE of the events and of their chain."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import psycopg
+import pytest
+from psycopg import errors
+from psycopg.conninfo import make_conninfo
+
+from secondbox_scheduler.infrastructure import SchedulerApplication
+from secondbox_scheduler.infrastructure.audit_replay import verify
+from secondbox_scheduler.infrastructure.db_roles import grant
+from tests.conftest import Clock, PostgresSchema
+from tests.factories import create_sandbox, register, schedule_request
+
+
+@dataclass
+class Roles:
+    owner: str
+    app: str
+    auditor: str
+
+
+def _url(schema: PostgresSchema, role: str) -> str:
+    server = schema.server
+    return f"postgresql://{role}@{server.host}:{server.port}/{server.dbname}?schema={schema.name}"
+
+
+def _connect(schema: PostgresSchema, role: str) -> psycopg.Connection[tuple[object, ...]]:
+    server = schema.server
+    return psycopg.connect(
+        make_conninfo(host=server.host, port=server.port, user=role, dbname=server.dbname),
+        autocommit=True,
+    )
+
+
+@pytest.fixture
+def roles(postgres_schema: PostgresSchema) -> Iterator[Roles]:
+    suffix = uuid.uuid4().hex[:8]
+    made = Roles(f"sbx_owner_{suffix}", f"sbx_app_{suffix}", f"sbx_audit_{suffix}")
+    conninfo = postgres_schema.server.conninfo()
+    with psycopg.connect(conninfo, autocommit=True) as admin:
+        for role in (made.owner, made.app, made.auditor):
+            admin.execute(f'CREATE ROLE "{role}" LOGIN')
+        admin.execute(f'ALTER SCHEMA "{postgres_schema.name}" OWNER TO "{made.owner}"')
+    try:
+        yield made
+    finally:
+        with psycopg.connect(conninfo, autocommit=True) as admin:
+            admin.execute(f'DROP SCHEMA IF EXISTS "{postgres_schema.name}" CASCADE')
+            admin.execute(f'CREATE SCHEMA "{postgres_schema.name}"')  # the fixture drops it
+            for role in (made.app, made.auditor, made.owner):
+                admin.execute(f'DROP OWNED BY "{role}"')
+                admin.execute(f'DROP ROLE "{role}"')
+
+
+def test_the_scheduler_runs_under_an_append_only_role_and_the_server_refuses_rewrites(
+    postgres_schema: PostgresSchema, roles: Roles, clock: Clock
+) -> None:
+    # the schema owner creates the tables (as a migration would), then an administrator
+    # grants the application and audit roles their privileges
+    SchedulerApplication(env={"SECONDBOX_DATABASE_URL": _url(postgres_schema, roles.owner)}).close()
+    with psycopg.connect(postgres_schema.server.conninfo(), autocommit=True) as admin:
+        statements = grant(admin, postgres_schema.name, roles.owner, roles.app, roles.auditor)
+    assert any("GRANT SELECT, INSERT ON" in s and "_events" in s for s in statements)
+
+    # start-up under the application role: no CREATE privilege needed
+    app = SchedulerApplication(
+        env={"SECONDBOX_DATABASE_URL": _url(postgres_schema, roles.app)}, now=clock
+    )
+    try:
+        register(app, "r1", at=clock())  # registration and a heartbeat
+        assert create_sandbox(app, "s1") == "r1"
+        assignment, _ = app.schedule(schedule_request("s1", clock()))
+        assert app.release("s1", assignment.generation, assignment.fencing_token, {"exit": "clean"})
+        for _ in range(12):  # past a snapshot interval: snapshots and seals written
+            clock.advance(seconds=1)
+            app.record_heartbeat(runner_id="r1", at=clock())
+        assert app.fold_runner("r1").reserved.vcpu_count == 0
+    finally:
+        app.close()
+
+    events = f'"{postgres_schema.name}".schedulerapplication_events'
+    chain = f'"{postgres_schema.name}".schedulerapplication_events_chain'
+    with _connect(postgres_schema, roles.app) as connection:
+        for statement in (
+            f"UPDATE {events} SET state = state WHERE notification_id = 1",
+            f"DELETE FROM {events} WHERE notification_id = 1",
+            f"TRUNCATE {events}",
+            f"UPDATE {chain} SET digest = digest",
+            f"DELETE FROM {chain}",
+            f"LOCK TABLE {events} IN EXCLUSIVE MODE",
+        ):
+            with pytest.raises(errors.InsufficientPrivilege), connection.transaction():
+                connection.execute(statement)
+
+    # the audit role reads and verifies, and may write nothing
+    auditor = SchedulerApplication(
+        env={
+            "SECONDBOX_DATABASE_URL": _url(postgres_schema, roles.auditor),
+            "SECONDBOX_READ_MODELS": "off",
+        }
+    )
+    try:
+        report = verify(auditor, measure_raw=False)
+        assert report.ok, report.violations
+        assert report.chain.links_checked == report.events > 0
+    finally:
+        auditor.close()
+    with (
+        _connect(postgres_schema, roles.auditor) as connection,
+        pytest.raises(errors.InsufficientPrivilege),
+        connection.transaction(),
+    ):
+        connection.execute(f"INSERT INTO {chain} VALUES (0, 0, '')")
