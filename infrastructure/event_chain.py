@@ -240,6 +240,12 @@ class SealedSnapshots:
             return "its seal does not match its state and the chain at its version"
         return ""
 
+    def select_latest(self, originator_ids: Sequence[UUID]) -> dict[UUID, StoredEvent]:
+        """The latest snapshot of each stream whose seal checks, with one query for all
+        (a stream whose latest snapshot does not check is absent: load it from its
+        events). A placement batch reads its cold aggregates this way."""
+        raise NotImplementedError
+
     def verified(self, rows: Sequence[tuple[StoredEvent, Any, Any]]) -> list[StoredEvent]:
         """The snapshots whose seal checks; each other one logged and dropped."""
         kept = []
@@ -337,6 +343,32 @@ class SealedSQLiteSnapshots(SealedSnapshots, SQLiteAggregateRecorder):
             for r in rows
         ])  # fmt: skip
 
+    def select_latest(self, originator_ids: Sequence[UUID]) -> dict[UUID, StoredEvent]:
+        if not originator_ids:
+            return {}
+        snapshots, seals = self.events_table_name, seal_table(self.events_table_name)
+        events, chain = self.chained_events_table, chain_table(self.chained_events_table)
+        marks = ",".join("?" for _ in originator_ids)
+        statement = (
+            f"WITH latest AS (SELECT originator_id, MAX(originator_version) AS v FROM {snapshots} "
+            f"WHERE originator_id IN ({marks}) GROUP BY originator_id) "
+            "SELECT s.originator_id, s.originator_version, s.topic, s.state, g.seal, c.digest "
+            f"FROM {snapshots} s JOIN latest l ON l.originator_id = s.originator_id "
+            "AND l.v = s.originator_version "
+            f"LEFT JOIN {seals} g ON g.originator_id = s.originator_id "
+            "AND g.originator_version = s.originator_version "
+            f"LEFT JOIN {events} e ON e.originator_id = s.originator_id "
+            "AND e.originator_version = s.originator_version "
+            f"LEFT JOIN {chain} c ON c.position = e.rowid"
+        )
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(statement, [i.hex for i in originator_ids])
+            rows = c.fetchall()
+        kept = self.verified([
+            (StoredEvent(UUID(r[0]), r[1], r[2], bytes(r[3])), r[4], r[5]) for r in rows
+        ])  # fmt: skip
+        return {event.originator_id: event for event in kept}  # type: ignore[misc]
+
 
 class SealedPostgresSnapshots(SealedSnapshots, PostgresAggregateRecorder):
     def __init__(
@@ -427,6 +459,31 @@ class SealedPostgresSnapshots(SealedSnapshots, PostgresAggregateRecorder):
         return self.verified(
             [(StoredEvent(r[0], r[1], r[2], bytes(r[3])), r[4], r[5]) for r in rows]
         )
+
+    @retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
+    def select_latest(self, originator_ids: Sequence[UUID]) -> dict[UUID, StoredEvent]:
+        if not originator_ids:
+            return {}
+        statement = SQL(
+            "SELECT DISTINCT ON (s.originator_id) s.originator_id, s.originator_version, "
+            "s.topic, s.state, g.seal, c.digest FROM {schema}.{snapshots} s "
+            "LEFT JOIN {schema}.{seals} g ON g.originator_id = s.originator_id "
+            "AND g.originator_version = s.originator_version "
+            "LEFT JOIN {schema}.{events} e ON e.originator_id = s.originator_id "
+            "AND e.originator_version = s.originator_version "
+            "LEFT JOIN {schema}.{chain} c ON c.position = e.notification_id "
+            "WHERE s.originator_id = ANY(%s) ORDER BY s.originator_id, s.originator_version DESC"
+        ).format(**self._names())
+        with (
+            self.datastore.get_connection() as conn,
+            conn.cursor(row_factory=tuple_row, binary=True) as curs,
+        ):
+            curs.execute(statement, (list(originator_ids),))
+            rows = curs.fetchall()
+        kept = self.verified(
+            [(StoredEvent(r[0], r[1], r[2], bytes(r[3])), r[4], r[5]) for r in rows]
+        )
+        return {event.originator_id: event for event in kept}  # type: ignore[misc]
 
 
 # -- reading the chain (audit) --------------------------------------------------------

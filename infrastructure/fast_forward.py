@@ -20,12 +20,7 @@ from contextlib import ExitStack, suppress
 from typing import Any
 from uuid import UUID
 
-from eventsourcing.application import (
-    AggregateNotFoundError,
-    Application,
-    Repository,
-    project_aggregate,
-)
+from eventsourcing.application import AggregateNotFoundError, Application, Repository
 from eventsourcing.persistence import StoredEvent
 from eventsourcing.postgres import PostgresAggregateRecorder
 from eventsourcing.sqlite import SQLiteAggregateRecorder
@@ -149,15 +144,21 @@ def _load_together(app: Application[UUID], ids: list[UUID]) -> dict[UUID, Any]:
             found.update(cached)
         missing = [aggregate_id for aggregate_id in ids if aggregate_id not in cached]
         if missing and isinstance(snapshots.recorder, SealedSnapshots):
-            # sealed snapshots are verified by their recorder (a forged one is refused
-            # and the aggregate replayed from its events): read those through it
-            for aggregate_id in missing:
-                with suppress(AggregateNotFoundError):
-                    aggregate = repository._reconstruct_aggregate(
-                        aggregate_id,
-                        None,
-                        project_aggregate,  # type: ignore[arg-type]
-                    )
+            # sealed snapshots: the latest of each stream whose seal checks (a forged one
+            # is refused and the aggregate replayed from its events), then the events
+            # after it, two queries for all
+            trusted = snapshots.recorder.select_latest(missing)
+            rebuilt: dict[UUID, Any] = {}
+            for aggregate_id, snapshot in trusted.items():
+                snapshot_event: Any = app.mapper.to_domain_event(snapshot)
+                rebuilt[aggregate_id] = snapshot_event.mutate(None)
+            after = [(i, trusted[i].originator_version if i in trusted else 0) for i in missing]
+            for event in _select_after(recorder, after):
+                domain_event = app.mapper.to_domain_event(event)
+                stream = domain_event.originator_id
+                rebuilt[stream] = domain_event.mutate(rebuilt.get(stream))
+            for aggregate_id, aggregate in rebuilt.items():
+                if aggregate is not None:
                     cache.put(aggregate_id, aggregate)
                     found[aggregate_id] = aggregate
             missing = []

@@ -25,12 +25,15 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from secondbox_scheduler.domain.chain import Checkpoint
+from secondbox_scheduler.domain.errors import CapacityExceededError
+from secondbox_scheduler.domain.ids import runner_uuid
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit_replay import checkpoint, verify
 from secondbox_scheduler.infrastructure.cli import cli
 from secondbox_scheduler.infrastructure.simulation.config import SimulationConfig
 from secondbox_scheduler.infrastructure.simulation.run import run_simulation
-from tests.conftest import PostgresSchema
+from tests.conftest import Clock, PostgresSchema, Store
+from tests.factories import capacity, create_sandbox, register, schedule_request
 from tests.histories import copy_history
 from tests.postgres_server import PostgresServer
 
@@ -439,3 +442,65 @@ def test_random_tampering_is_detected_at_its_position(
         assert found in (expected - 1, expected)
     else:
         assert found == expected
+
+
+def raw_of(store: Store, request: pytest.FixtureRequest) -> Raw:
+    if store.kind == "sqlite":
+        return sqlite_raw(Path(store.env["SQLITE_DBNAME"]))
+    return postgres_raw(request.getfixturevalue("postgres_schema"))
+
+
+def test_a_forged_runner_snapshot_is_refused_and_the_runner_loaded_from_its_events(
+    store: Store,
+    clock: Clock,
+    request: pytest.FixtureRequest,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Zeroing ``reserved`` (and dropping the reservations) in a runner's latest snapshot
+    neither lets a shrink below what it really holds pass nor crashes a later release
+    of a reservation the forged state lacks (it raised KeyError before the seals)."""
+    app = store.open()
+    roomy = capacity(vcpu_count=80, memory_bytes=160 * 2**30, disk_bytes=1000 * 2**30,
+                     instances=40, operations=160)  # fmt: skip
+    register(app, "r1", at=clock(), allocatable=roomy)
+    placed = []
+    for n in range(12):  # the runner passes its snapshot interval (10 events)
+        create_sandbox(app, f"s{n}")
+        placed.append(app.schedule(schedule_request(f"s{n}", clock()))[0])
+    raw = raw_of(store, request)
+    stream = runner_uuid("r1")
+    key = stream.hex if store.kind == "sqlite" else stream
+    (version, state), *_ = raw.rows(
+        "SELECT originator_version, state FROM {snapshots} WHERE originator_id = ? "
+        "ORDER BY originator_version DESC",
+        key,
+    )
+    forged = json.loads(bytes(state))
+    runner_state = forged["state"]
+    assert runner_state["reserved"]["instances"] == version - 1  # one per reservation
+    runner_state["reserved"] = dict.fromkeys(runner_state["reserved"], 0)
+    runner_state["reservations"] = {}
+    raw.rows(
+        "UPDATE {snapshots} SET state = ? WHERE originator_id = ? AND originator_version = ?",
+        json.dumps(forged).encode(),
+        key,
+        version,
+    )
+
+    fresh = store.open()  # no cached runner: it loads from the stored snapshot
+    with (
+        caplog.at_level("WARNING"),
+        pytest.raises(CapacityExceededError, match="below reserved"),
+    ):
+        # the forged state (the 3 reservations after the snapshot) would let it pass
+        fresh.change_allocatable("r1", capacity(instances=5))
+    assert any("refused" in record.getMessage() for record in caplog.records)
+    first = placed[0]
+    assert fresh.release("s0", first.generation, first.fencing_token, {"exit": "0"})
+    assert fresh.get_runner("r1").reserved.instances == 11
+
+    create_sandbox(app, "s12")
+    batched = store.open()  # a placement batch loads its runners together (load_many)
+    batched.schedule(schedule_request("s12", clock()))
+    with pytest.raises(CapacityExceededError, match="below reserved"):
+        batched.change_allocatable("r1", capacity(instances=5))  # from its cached runner
