@@ -175,7 +175,10 @@ def test_quick_bench_on_postgres_works_in_a_schema_it_drops(
         "20",
         "--seconds",
         "0.5",
+        "--chain",
+        "off",  # the runs without the chain that its cost is measured against
     )
+    assert report["settings"]["chain"] is False
     schema = report["database"].rsplit("schema=", 1)[1]
     assert schema.startswith("bench_")
     assert report["machine"]["database"].startswith("PostgreSQL")
@@ -225,6 +228,12 @@ def test_bench_refuses_unknown_sections() -> None:
     result = bench("--only", "raw,warp")
     assert result.exit_code == 2
     assert "--only" in result.stderr
+
+
+def test_bench_refuses_a_chain_setting_other_than_on_or_off() -> None:
+    result = bench("--chain", "maybe")
+    assert result.exit_code == 2
+    assert "--chain takes on or off" in result.stderr
 
 
 def test_goals_of_an_empty_report_are_not_measured() -> None:

@@ -284,7 +284,8 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         f"{report['database']}{' (kept)' if report['kept'] else ' (dropped)'}; "
         f"{machine['nproc']} CPUs ({machine['cpu']}), {machine['memory_gib']} GiB, "
         f"Python {machine['python']}, eventsourcing {machine['eventsourcing']}, "
-        f"{machine['database']}; seed {settings['seed']}; {report['wall_seconds']:.0f}s"
+        f"{machine['database']}; seed {settings['seed']}; "
+        f"chain {'on' if settings.get('chain', True) else 'off'}; {report['wall_seconds']:.0f}s"
     )
     for table in (
         throughput_table(report),

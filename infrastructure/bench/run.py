@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
@@ -27,9 +29,23 @@ from secondbox_scheduler.infrastructure.bench.throughput import (
     measure_row_lock,
 )
 from secondbox_scheduler.infrastructure.bench.workers import RawBaseline, WorkerPool, raw_env
-from secondbox_scheduler.infrastructure.settings import DATABASE_URL
+from secondbox_scheduler.infrastructure.settings import CHAIN, DATABASE_URL
 
 DEFAULT_RATE = 1000.0  # schedules/s assumed when no raw baseline was measured
+
+
+@contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` for the duration (processes started inherit it)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def run_bench(
@@ -47,11 +63,14 @@ def run_bench(
     stamp = f"{time.strftime('%Y%m%d_%H%M%S')}_{os.getpid()}"
     wanted = set(settings.sections)
     report: dict[str, Any] = {"settings": settings.to_dict()}
-    with bench_database(database_url, stamp, keep=keep) as fresh:
+    with (
+        _environment(CHAIN, "on" if settings.chain else "off"),  # the serve processes too
+        bench_database(database_url, stamp, keep=keep) as fresh,
+    ):
         report["database"] = fresh.shown
         report["kept"] = keep
         report["machine"] = machine_info(fresh)
-        env = {DATABASE_URL: fresh.url}
+        env = {DATABASE_URL: fresh.url, CHAIN: "on" if settings.chain else "off"}
         progress(f"fresh database {fresh.shown}")
         app = SchedulerApplication(env=env)  # creates the tables before any worker starts
         RawBaseline(env=raw_env(env)).close()

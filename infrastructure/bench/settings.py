@@ -42,6 +42,8 @@ class BenchSettings:
     history_repeat: int = 15
     generation_sizes: tuple[int, ...] = (100, 1_000, 10_000)
     sections: tuple[str, ...] = SECTIONS
+    # the hash chain over the stored events (SECONDBOX_CHAIN); off only to measure its cost
+    chain: bool = True
 
     @classmethod
     def make(
@@ -53,6 +55,7 @@ class BenchSettings:
         seed: int = 7,
         seconds: float | None = None,
         sections: tuple[str, ...] = SECTIONS,
+        chain: bool = True,
     ) -> BenchSettings:
         if quick:
             base = cls(
@@ -71,9 +74,12 @@ class BenchSettings:
                 history_repeat=7,
                 generation_sizes=(20, 100, 400),
                 sections=sections,
+                chain=chain,
             )
         else:
-            base = cls(workers=workers, runners=runners or 1000, seed=seed, sections=sections)
+            base = cls(
+                workers=workers, runners=runners or 1000, seed=seed, sections=sections, chain=chain
+            )
         if seconds is not None:
             base = cls(
                 **{

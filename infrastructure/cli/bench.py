@@ -42,7 +42,8 @@ BENCH_HELP = (
     "  secondbox-scheduler bench\n"
     "  secondbox-scheduler bench --quick --json\n"
     "  secondbox-scheduler bench --quick --database-url sqlite:////tmp/bench-new.db\n"
-    "  secondbox-scheduler bench --only raw,placement --workers 2"
+    "  secondbox-scheduler bench --only raw,placement --workers 2\n"
+    "  secondbox-scheduler bench --only raw,placement,batched,replay --chain off"
 )
 
 bench_cli = typer.Typer(help=BENCH_HELP, invoke_without_command=True)
@@ -86,13 +87,24 @@ def bench(
         typer.Option(
             "--only",
             help=(
-                "Comma-separated sections: raw,placement,contention,http,selection,history,replay."
+                "Comma-separated sections: raw, placement, contention, batched, row_lock, "
+                "http, selection, history, replay."
             ),
         ),
     ] = None,
     keep: Annotated[
         bool, typer.Option("--keep", help="Keep the benchmark's database for inspection.")
     ] = False,
+    chain: Annotated[
+        str,
+        typer.Option(
+            "--chain",
+            help=(
+                "on: the hash chain over the stored events, as in production; off: without "
+                "it, to measure what it costs (run both, back to back)."
+            ),
+        ),
+    ] = "on",
     as_json: JsonOutput = False,
 ) -> None:
     if ctx.invoked_subcommand is not None:
@@ -109,9 +121,11 @@ def bench(
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown or not sections:
         fail(f"--only takes sections among {', '.join(SECTIONS)}; got {only!r}")
+    if chain not in ("on", "off"):
+        fail(f"--chain takes on or off; got {chain!r}")
     settings = BenchSettings.make(
         quick=quick, workers=workers, runners=runners, seed=seed, seconds=seconds,
-        sections=sections,
+        sections=sections, chain=chain == "on",
     )  # fmt: skip
     err = Console(stderr=True, highlight=False)
     try:
