@@ -12,9 +12,11 @@ import psycopg
 import pytest
 from psycopg import errors
 from psycopg.conninfo import make_conninfo
+from typer.testing import CliRunner
 
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit_replay import verify
+from secondbox_scheduler.infrastructure.cli import cli
 from secondbox_scheduler.infrastructure.db_roles import grant
 from tests.conftest import Clock, PostgresSchema
 from tests.factories import create_sandbox, register, schedule_request
@@ -113,6 +115,11 @@ def test_the_scheduler_runs_under_an_append_only_role_and_the_server_refuses_rew
         assert report.chain.links_checked == report.events > 0
     finally:
         auditor.close()
+    for command in (["audit", "verify"], ["audit", "checkpoint"]):  # as an operator runs them
+        run = CliRunner().invoke(
+            cli, [*command, "--database-url", _url(postgres_schema, roles.auditor)]
+        )
+        assert run.exit_code == 0, run.output
     with (
         _connect(postgres_schema, roles.auditor) as connection,
         pytest.raises(errors.InsufficientPrivilege),

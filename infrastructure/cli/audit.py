@@ -83,7 +83,7 @@ def audit_verify(
     )
 
     with reported_errors(), store_errors(database_url):
-        app = open_store(database_url)
+        app = open_store(database_url, read_models=False)
         limit = parse_until(until)
         expected = None if checkpoint is None else parse_checkpoint(checkpoint)
         total = app.event_count()
@@ -151,7 +151,7 @@ def audit_checkpoint(
     from secondbox_scheduler.infrastructure.audit_replay import checkpoint
 
     with reported_errors(), store_errors(database_url):
-        app = open_store(database_url)
+        app = open_store(database_url, read_models=False)
         head = checkpoint(app)
         keyed = app.chain.keyed
         app.close()
@@ -184,7 +184,7 @@ def audit_state(
     from secondbox_scheduler.infrastructure.audit_replay import parse_until, state_at
 
     with reported_errors(), store_errors(database_url):
-        app = open_store(database_url)
+        app = open_store(database_url, read_models=False)
         state = state_at(app, parse_until(at))
         app.close()
     if as_json:
@@ -220,7 +220,7 @@ def audit_timeline(
     if (sandbox is None) == (runner is None):
         raise typer.BadParameter("give exactly one of --sandbox ID or --runner ID")
     with reported_errors(), store_errors(database_url):
-        app = open_store(database_url)
+        app = open_store(database_url, read_models=False)
         entries = timeline(app, sandbox_id=sandbox, runner_id=runner)
         app.close()
     if as_json:
@@ -272,7 +272,7 @@ def audit_explain(
 
     sandbox_id = _one_sandbox(sandbox, positional)
     with reported_errors(), store_errors(database_url):
-        app = open_store(database_url)
+        app = open_store(database_url, read_models=False)
         explanation = explain(app, sandbox_id, generation)
         app.close()
     if as_json:

@@ -23,7 +23,12 @@ from rich.segment import Segment
 
 from secondbox_scheduler.domain.errors import SchedulerError
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
-from secondbox_scheduler.infrastructure.settings import DATABASE_URL, redact_url, sqlite_path
+from secondbox_scheduler.infrastructure.settings import (
+    DATABASE_URL,
+    READ_MODELS,
+    redact_url,
+    sqlite_path,
+)
 
 GIB = 2**30
 EXIT_REFUSED = 2
@@ -126,8 +131,12 @@ def store_env(database_url: str) -> dict[str, str]:
     return {DATABASE_URL: database_url}
 
 
-def open_store(database_url: str, *, must_exist: bool = True) -> SchedulerApplication:
-    """The application on the store; a missing SQLite file is a command error."""
+def open_store(
+    database_url: str, *, must_exist: bool = True, read_models: bool = True
+) -> SchedulerApplication:
+    """The application on the store; a missing SQLite file is a command error.
+    ``read_models=False``: commands that only read the log (audit), which then need no
+    write privilege at all (the read-only audit role, docs/operations.md)."""
     path = sqlite_path(database_url)
     if must_exist and path is not None and not path.exists():
         raise CommandError(
@@ -135,7 +144,10 @@ def open_store(database_url: str, *, must_exist: bool = True) -> SchedulerApplic
             "first or pass --database-url"
         )
     with store_errors(database_url):
-        return SchedulerApplication(env=store_env(database_url))
+        env = store_env(database_url)
+        if not read_models:
+            env[READ_MODELS] = "off"
+        return SchedulerApplication(env=env)
 
 
 def print_json(data: Any) -> None:

@@ -135,7 +135,7 @@ def audit_whatif(
                 window["until"] = parse_until(until)
             data["window"] = window
         changes = changes_from(data)
-        app = open_store(database_url)
+        app = open_store(database_url, read_models=False)
         total = app.event_count()
         with Progress(
             TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
