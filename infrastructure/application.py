@@ -756,13 +756,16 @@ class SchedulerApplication(Application[UUID]):
         versions: dict[UUID, list[int]] = {}
         for event in processing_event.events:
             versions.setdefault(event.originator_id, []).append(event.originator_version)
+        taken = []
         for aggregate_id, aggregate in processing_event.aggregates.items():
             interval = self.snapshotting_intervals.get(type(aggregate))
             written = versions.get(aggregate_id, ())
             if interval and any(version % interval == 0 for version in written):
                 assert aggregate.version == max(written)
                 snapshot_class = getattr(type(aggregate), "Snapshot", Snapshot)
-                self.snapshots.put([snapshot_class.take(aggregate)])
+                taken.append(snapshot_class.take(aggregate))
+        if taken:  # one transaction for all of them
+            self.snapshots.put(taken)
 
     def stream_versions(self, stream_ids: Sequence[UUID]) -> dict[UUID, int]:
         """The last stored version of each stream (absent: no such stream)."""

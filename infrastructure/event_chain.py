@@ -156,9 +156,10 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
         self.select_head_statement: Composed = SQL(
             "SELECT position, previous, digest FROM {}.{} ORDER BY position DESC LIMIT 1"
         ).format(schema, chain)
-        self.insert_links_statement: Composed = SQL("INSERT INTO {}.{} VALUES (%s, %s, %s)").format(
-            schema, chain
-        )
+        # every link of a save in one statement (arrays unnested), not one per event
+        self.insert_links_statement: Composed = SQL(
+            "INSERT INTO {}.{} SELECT * FROM unnest(%s::bigint[], %s::bigint[], %s::bytea[])"
+        ).format(schema, chain)
 
     @retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
     def insert_events(
@@ -200,9 +201,14 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
                                     for p, s in zip(notification_ids, stored_events, strict=True)
                                 ],
                             )
-                            curs.executemany(
+                            curs.execute(
                                 self.insert_links_statement,
-                                [(k.position, k.previous, k.digest) for k in links],
+                                (
+                                    [k.position for k in links],
+                                    [k.previous for k in links],
+                                    [k.digest for k in links],
+                                ),
+                                prepare=True,
                             )
                         except Exception as e:
                             exc = e  # raised after the pipeline is closed, as the library does
@@ -245,6 +251,16 @@ class SealedSnapshots:
         (a stream whose latest snapshot does not check is absent: load it from its
         events). A placement batch reads its cold aggregates this way."""
         raise NotImplementedError
+
+    def select_latest_and_after(
+        self, originator_ids: Sequence[UUID]
+    ) -> tuple[dict[UUID, StoredEvent], list[StoredEvent], set[UUID]] | None:
+        """With one query: the latest snapshot of each stream whose seal checks, the
+        events after each stream's latest snapshot (all its events if it has none), and
+        the streams whose latest snapshot was refused (their events up to it are still
+        to read). None: this store reads them with :meth:`select_latest` and a second
+        query."""
+        return None
 
     def verified(self, rows: Sequence[tuple[StoredEvent, Any, Any]]) -> list[StoredEvent]:
         """The snapshots whose seal checks; each other one logged and dropped."""
@@ -400,24 +416,41 @@ class SealedPostgresSnapshots(SealedSnapshots, PostgresAggregateRecorder):
         if not stored_events:
             return None
         names = self._names()
+        values = SQL(", ").join(SQL("(%s::uuid, %s::bigint)") for _ in stored_events)
         find = SQL(
-            "SELECT c.digest FROM {schema}.{events} e JOIN {schema}.{chain} c "
-            "ON c.position = e.notification_id "
-            "WHERE e.originator_id = %s AND e.originator_version = %s"
+            "SELECT e.originator_id, e.originator_version, c.digest FROM {schema}.{events} e "
+            "JOIN (VALUES {values}) AS v(id, version) ON e.originator_id = v.id "
+            "AND e.originator_version = v.version "
+            "JOIN {schema}.{chain} c ON c.position = e.notification_id"
+        ).format(values=values, **names)
+        insert = SQL(
+            "INSERT INTO {schema}.{seals} "
+            "SELECT * FROM unnest(%s::uuid[], %s::bigint[], %s::bytea[])"
         ).format(**names)
-        insert = SQL("INSERT INTO {schema}.{seals} VALUES (%s, %s, %s)").format(**names)
         with (
             self.datastore.get_connection() as conn,
             conn.transaction(),
             conn.cursor(row_factory=tuple_row) as curs,
         ):
             self._insert_stored_events(curs, stored_events, **kwargs)  # type: ignore[arg-type]
-            for s in stored_events:
-                curs.execute(find, (s.originator_id, s.originator_version), prepare=True)
-                row = curs.fetchone()
-                if row is not None:
-                    seal = self.seal_for(s, bytes(row[0]))
-                    curs.execute(insert, (s.originator_id, s.originator_version, seal))
+            curs.execute(
+                find, [v for s in stored_events for v in (s.originator_id, s.originator_version)]
+            )
+            digests = {(row[0], row[1]): bytes(row[2]) for row in curs.fetchall()}
+            sealed = [
+                (s, digests[(s.originator_id, s.originator_version)])
+                for s in stored_events
+                if (s.originator_id, s.originator_version) in digests
+            ]
+            if sealed:
+                curs.execute(
+                    insert,
+                    (
+                        [s.originator_id for s, _ in sealed],
+                        [s.originator_version for s, _ in sealed],
+                        [self.seal_for(s, digest) for s, digest in sealed],
+                    ),
+                )
         return None
 
     @retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
@@ -484,6 +517,43 @@ class SealedPostgresSnapshots(SealedSnapshots, PostgresAggregateRecorder):
             [(StoredEvent(r[0], r[1], r[2], bytes(r[3])), r[4], r[5]) for r in rows]
         )
         return {event.originator_id: event for event in kept}  # type: ignore[misc]
+
+    @retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
+    def select_latest_and_after(
+        self, originator_ids: Sequence[UUID]
+    ) -> tuple[dict[UUID, StoredEvent], list[StoredEvent], set[UUID]] | None:
+        if not originator_ids:
+            return {}, [], set()
+        statement = SQL(
+            "WITH snap AS (SELECT DISTINCT ON (s.originator_id) s.originator_id, "
+            "s.originator_version, s.topic, s.state, g.seal, c.digest "
+            "FROM {schema}.{snapshots} s LEFT JOIN {schema}.{seals} g "
+            "ON g.originator_id = s.originator_id AND g.originator_version = s.originator_version "
+            "LEFT JOIN {schema}.{events} e ON e.originator_id = s.originator_id "
+            "AND e.originator_version = s.originator_version "
+            "LEFT JOIN {schema}.{chain} c ON c.position = e.notification_id "
+            "WHERE s.originator_id = ANY(%s) ORDER BY s.originator_id, s.originator_version DESC) "
+            "SELECT originator_id, 0 AS part, originator_version, topic, state, seal, digest "
+            "FROM snap UNION ALL SELECT e.originator_id, 1, e.originator_version, e.topic, "
+            "e.state, NULL, NULL FROM {schema}.{events} e LEFT JOIN snap s "
+            "ON s.originator_id = e.originator_id WHERE e.originator_id = ANY(%s) "
+            "AND e.originator_version > COALESCE(s.originator_version, 0) "
+            "ORDER BY originator_id, part, originator_version"
+        ).format(**self._names())
+        ids = list(originator_ids)
+        with (
+            self.datastore.get_connection() as conn,
+            conn.cursor(row_factory=tuple_row, binary=True) as curs,
+        ):
+            curs.execute(statement, (ids, ids))
+            rows = curs.fetchall()
+        snapshots = [
+            (StoredEvent(r[0], r[2], r[3], bytes(r[4])), r[5], r[6]) for r in rows if r[1] == 0
+        ]
+        trusted = {event.originator_id: event for event in self.verified(snapshots)}
+        refused = {stored.originator_id for stored, _, _ in snapshots} - set(trusted)
+        after = [StoredEvent(r[0], r[2], r[3], bytes(r[4])) for r in rows if r[1] == 1]
+        return trusted, after, refused  # type: ignore[return-value]
 
 
 # -- reading the chain (audit) --------------------------------------------------------

@@ -145,15 +145,24 @@ def _load_together(app: Application[UUID], ids: list[UUID]) -> dict[UUID, Any]:
         missing = [aggregate_id for aggregate_id in ids if aggregate_id not in cached]
         if missing and isinstance(snapshots.recorder, SealedSnapshots):
             # sealed snapshots: the latest of each stream whose seal checks (a forged one
-            # is refused and the aggregate replayed from its events), then the events
-            # after it, two queries for all
-            trusted = snapshots.recorder.select_latest(missing)
+            # is refused and the aggregate replayed from its events), and the events
+            # after it: one query on PostgreSQL, two on SQLite, for all of them
+            sealed = snapshots.recorder
+            together = sealed.select_latest_and_after(missing)
+            if together is None:
+                trusted = sealed.select_latest(missing)
+                after = [(i, trusted[i].originator_version if i in trusted else 0) for i in missing]
+                events = _select_after(recorder, after)
+            else:
+                trusted, events, refused = together
+                if refused:  # rare: a forged snapshot; its stream is read from the start
+                    replayed = _select_after(recorder, [(i, 0) for i in sorted(refused, key=str)])
+                    events = [e for e in events if e.originator_id not in refused] + replayed
             rebuilt: dict[UUID, Any] = {}
             for aggregate_id, snapshot in trusted.items():
                 snapshot_event: Any = app.mapper.to_domain_event(snapshot)
                 rebuilt[aggregate_id] = snapshot_event.mutate(None)
-            after = [(i, trusted[i].originator_version if i in trusted else 0) for i in missing]
-            for event in _select_after(recorder, after):
+            for event in events:
                 domain_event = app.mapper.to_domain_event(event)
                 stream = domain_event.originator_id
                 rebuilt[stream] = domain_event.mutate(rebuilt.get(stream))
