@@ -5,7 +5,9 @@ Callers queue their requests; one of them at a time, the leader, takes what is q
 commits it as one :class:`~.placement_batch.PlacementBatch`, answers every caller in
 it, and hands the lead to the first caller still queued. A lone call leads at once and
 waits for nobody (the default longest wait is 0): batches form by themselves while a
-commit is in flight, as a database's group commit does. Settings:
+commit is in flight, as a database's group commit does; under load, a leader whose
+previous batch held several requests waits at most ``REGROUP_WAIT`` (1 ms) for as many
+callers to queue again. Settings:
 ``SECONDBOX_BATCH_SIZE`` (default 64) and ``SECONDBOX_BATCH_WAIT_MS`` (default 0).
 """
 
@@ -24,6 +26,11 @@ if TYPE_CHECKING:
 
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_BATCH_WAIT = 0.0
+# Under load, the callers a batch answered come back together; the first of them would
+# lead a batch of one while the rest queue behind it (batches of 1, 15, 1, 15, ...).
+# So a leader whose previous batch held several requests waits up to this long for as
+# many to queue again. A lone call after a lone call never waits.
+REGROUP_WAIT = 0.001
 
 
 class _Slot:
@@ -55,6 +62,7 @@ class PlacementBatcher:
         self._queue: deque[_Slot] = deque()
         self._lock = threading.Lock()
         self._busy = False
+        self._last_size = 0  # requests in the previous batch
 
     def schedule(self, request: ScheduleRequest) -> tuple[DurableAssignment, bool]:
         slot = _Slot(request)
@@ -77,8 +85,14 @@ class PlacementBatcher:
             deadline = time.monotonic() + self.wait
             while len(self._queue) < self.size and time.monotonic() < deadline:
                 time.sleep(self.wait / 10)
+        elif self._last_size > 1:
+            wanted = min(self.size, self._last_size)
+            deadline = time.monotonic() + REGROUP_WAIT
+            while len(self._queue) < wanted and time.monotonic() < deadline:
+                time.sleep(REGROUP_WAIT / 10)
         with self._lock:
             batch = [self._queue.popleft() for _ in range(min(self.size, len(self._queue)))]
+            self._last_size = len(batch)
         try:
             outcomes: Sequence[Outcome | BaseException] = self._run([s.request for s in batch])
         except BaseException as error:  # the store failed: every caller of the batch hears it
