@@ -159,8 +159,9 @@ def parse_checkpoint(text: str) -> Checkpoint | bytes:
 
 
 def _chain_violation(finding: Finding, event: Any = None) -> Violation:
-    stream = "-" if event is None else str(event.originator_id)
-    name = "-" if event is None else str(event.topic).rpartition(":")[2]
+    # a finding at a position with no event there (deleted, cut) names the log itself
+    stream = "log" if event is None else str(event.originator_id)
+    name = "(no event)" if event is None else str(event.topic).rpartition(":")[2]
     return Violation(finding.position, stream, name, f"chain-{finding.kind}", finding.detail)
 
 
