@@ -71,6 +71,37 @@ def _as_link(row: Sequence[Any] | None) -> Link | None:
     return None if row is None else Link(int(row[0]), int(row[1]), bytes(row[2]))
 
 
+def unnested_insert(recorder: PostgresAggregateRecorder, returning: bool) -> Composed:
+    """The recorder's INSERT of stored events from four arrays (ids, versions, topics,
+    states) instead of one array of its composite type: psycopg dumps plain arrays
+    in binary (``%b``), where the composite array was dumped as text with
+    regular-expression escaping of every field (0.7 ms of a batched placement's 2.4 ms
+    of Python in a profile)."""
+    id_type = SQL(recorder.datastore.originator_id_type)
+    statement = SQL(
+        "INSERT INTO {schema}.{table} (originator_id, originator_version, topic, state) "
+        "SELECT * FROM unnest(%b::{id_type}[], %b::bigint[], %b::text[], %b::bytea[])"
+    ).format(
+        schema=Identifier(recorder.datastore.schema),
+        table=Identifier(recorder.events_table_name),
+        id_type=id_type,
+    )
+    return statement + SQL(" RETURNING notification_id") if returning else statement
+
+
+def insert_unnested(curs: Any, statement: Composed, stored_events: Sequence[StoredEvent]) -> None:
+    curs.execute(
+        statement,
+        (
+            [s.originator_id for s in stored_events],
+            [s.originator_version for s in stored_events],
+            [s.topic for s in stored_events],
+            [s.state for s in stored_events],
+        ),
+        prepare=True,
+    )
+
+
 class ChainedRecorder:
     """What the chained recorders share: the chain (keyed or not) they write."""
 
@@ -153,12 +184,13 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
             SQL("SET LOCAL lock_timeout = '{0}s'").format(datastore.lock_timeout),
             SQL("SELECT {}.{}()").format(schema, function),
         ]
+        self.insert_unnested_statement = unnested_insert(self, returning=True)
         self.select_head_statement: Composed = SQL(
             "SELECT position, previous, digest FROM {}.{} ORDER BY position DESC LIMIT 1"
         ).format(schema, chain)
         # every link of a save in one statement (arrays unnested), not one per event
         self.insert_links_statement: Composed = SQL(
-            "INSERT INTO {}.{} SELECT * FROM unnest(%s::bigint[], %s::bigint[], %s::bytea[])"
+            "INSERT INTO {}.{} SELECT * FROM unnest(%b::bigint[], %b::bigint[], %b::bytea[])"
         ).format(schema, chain)
 
     @retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
@@ -183,9 +215,7 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
                     ):
                         try:
                             head_cursor.execute(self.select_head_statement, prepare=True)
-                            PostgresAggregateRecorder._insert_stored_events(
-                                self, curs, stored_events
-                            )
+                            insert_unnested(curs, self.insert_unnested_statement, stored_events)
                             pipeline.sync()
                             notification_ids = self._fetch_ids_after_insert_events(
                                 curs, stored_events
@@ -425,14 +455,14 @@ class SealedPostgresSnapshots(SealedSnapshots, PostgresAggregateRecorder):
         ).format(values=values, **names)
         insert = SQL(
             "INSERT INTO {schema}.{seals} "
-            "SELECT * FROM unnest(%s::uuid[], %s::bigint[], %s::bytea[])"
+            "SELECT * FROM unnest(%b::uuid[], %b::bigint[], %b::bytea[])"
         ).format(**names)
         with (
             self.datastore.get_connection() as conn,
             conn.transaction(),
             conn.cursor(row_factory=tuple_row) as curs,
         ):
-            self._insert_stored_events(curs, stored_events, **kwargs)  # type: ignore[arg-type]
+            insert_unnested(curs, unnested_insert(self, returning=False), stored_events)
             curs.execute(
                 find, [v for s in stored_events for v in (s.originator_id, s.originator_version)]
             )

@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--placements", type=int, default=3200)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--sort", default="cumulative", help="cProfile order: cumulative, tottime")
     args = parser.parse_args()
     stamp = f"profile_{int(time.time())}"
     with bench_database(None, stamp, keep=False) as fresh:
@@ -72,7 +73,7 @@ def main() -> None:
         "process_cpu_ms_per_placement": round(1000 * cpu / placed, 3),
     }))  # fmt: skip
     if profiler:
-        pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
+        pstats.Stats(profiler).sort_stats(args.sort).print_stats(25)
 
 
 if __name__ == "__main__":
