@@ -18,6 +18,8 @@ WORK="${MUTATION_WORKDIR:-$(mktemp -d -t secondbox-mutation-XXXXXX)}"
 CHILDREN="${MUTATION_MAX_CHILDREN:-$(nproc)}"
 MODULES=(placement evidence runner sandbox lease audit_fold)
 # The tests that pin these modules down; fast, SQLite only (the domain is store-agnostic).
+# The last two read the release-0.1 history: the only callers of Sandbox.upcast_v1_v2
+# (audit verify refolds the 0.1 snapshots through it).
 # Left out for time (a surviving mutant runs every test that reaches it): PostgreSQL
 # twins, the simulate-then-audit test and the three 300-example placement properties,
 # so the score is a lower bound of what the whole suite kills.
@@ -26,6 +28,7 @@ TESTS=(
   tests/test_domain_records.py tests/test_evidence.py
   tests/test_placement.py tests/test_application_guards.py tests/test_audit.py
   tests/test_lifecycle.py tests/test_schedule.py tests/test_runners.py tests/test_reconcile.py
+  tests/test_bounded_state.py tests/test_fixture_history.py
 )
 
 echo "mutation run in $WORK" >&2
