@@ -141,12 +141,20 @@ def schedule_twice(
     end = time.monotonic()
     statuses = sorted(r.status_code for r in responses)
     if statuses == [201, 409]:
-        # serializable only as: refused while the home runner was drained, placed
-        # after the cancel (a 503 retried past the window); never a lost race
+        # serializable only as: the refused one decided first, while the home runner was
+        # drained or full of *other* sandboxes, then the drain was cancelled or another
+        # worker's release made room, then the other placed (one of the two retried a
+        # 503 or waited for a batch meanwhile). A refusal that saw the twin's own
+        # reservation would be a lost race answered as a refusal: the scheduler decides
+        # that one again (`holds`), as tests/test_races.py shows with the exact
+        # interleaving; here, the refusal must name only a drain or capacity.
         refusal = next(r for r in responses if r.status_code == 409).json()["error"]
         assert refusal["code"] == "home_runner_unavailable", refusal
-        assert "drain" in refusal["message"], refusal
-        assert tally.during_drain(start, end), "a lost race is never answered as a refusal"
+        reasons = set(refusal["reasons"])
+        assert reasons, refusal
+        assert all(r == "draining" or r.startswith("capacity:") for r in reasons), refusal
+        if reasons == {"draining"}:
+            assert tally.during_drain(start, end), "refused as drained outside the drain"
         placed: dict[str, Any] = next(r for r in responses if r.status_code == 201).json()
         with tally.lock:
             tally.refused[refusal["code"]] += 1
