@@ -524,31 +524,6 @@ class SealedPostgresSnapshots(SealedSnapshots, PostgresAggregateRecorder):
         )
 
     @retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
-    def select_latest(self, originator_ids: Sequence[UUID]) -> dict[UUID, StoredEvent]:
-        if not originator_ids:
-            return {}
-        statement = SQL(
-            "SELECT DISTINCT ON (s.originator_id) s.originator_id, s.originator_version, "
-            "s.topic, s.state, g.seal, c.digest FROM {schema}.{snapshots} s "
-            "LEFT JOIN {schema}.{seals} g ON g.originator_id = s.originator_id "
-            "AND g.originator_version = s.originator_version "
-            "LEFT JOIN {schema}.{events} e ON e.originator_id = s.originator_id "
-            "AND e.originator_version = s.originator_version "
-            "LEFT JOIN {schema}.{chain} c ON c.position = e.notification_id "
-            "WHERE s.originator_id = ANY(%s) ORDER BY s.originator_id, s.originator_version DESC"
-        ).format(**self._names())
-        with (
-            self.datastore.get_connection() as conn,
-            conn.cursor(row_factory=tuple_row, binary=True) as curs,
-        ):
-            curs.execute(statement, (list(originator_ids),))
-            rows = curs.fetchall()
-        kept = self.verified(
-            [(StoredEvent(r[0], r[1], r[2], bytes(r[3])), r[4], r[5]) for r in rows]
-        )
-        return {event.originator_id: event for event in kept}  # type: ignore[misc]
-
-    @retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
     def select_latest_and_after(
         self, originator_ids: Sequence[UUID]
     ) -> tuple[dict[UUID, StoredEvent], list[StoredEvent], set[UUID]] | None:
