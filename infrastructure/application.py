@@ -77,6 +77,7 @@ from secondbox_scheduler.infrastructure.metrics import (
     refusal_reasons,
 )
 from secondbox_scheduler.infrastructure.placement_batch import PlacementBatch
+from secondbox_scheduler.infrastructure.runner_locks import RunnerLocks
 from secondbox_scheduler.infrastructure.settings import (
     APPLICATION_RECORDER_TOPIC,
     AUDIT_KEY,
@@ -91,6 +92,7 @@ from secondbox_scheduler.infrastructure.settings import (
     POSTGRES_MODULE,
     POSTGRES_SETTINGS,
     READ_MODELS,
+    RUNNER_LOCKS,
     SQLITE_MODULE,
     batch_setting,
     clock_tolerance,
@@ -257,6 +259,9 @@ class SchedulerApplication(Application[UUID]):
             if supports_read_models(self) and self.env.get(READ_MODELS, "on") != "off":
                 self.read_models = ReadModels(self)
             self.catch_up_inline = self.env.get(READ_MODELS, "on") != "external"
+            self.runner_locks = RunnerLocks(
+                self.recorder if strtobool(self.env.get(RUNNER_LOCKS) or "on") else None
+            )
             self.batcher: PlacementBatcher | None = None
             if strtobool(self.env.get(BATCHING) or "on"):
                 self.batcher = PlacementBatcher(

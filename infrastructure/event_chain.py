@@ -89,6 +89,20 @@ def unnested_insert(recorder: PostgresAggregateRecorder, returning: bool) -> Com
     return statement + SQL(" RETURNING notification_id") if returning else statement
 
 
+def chain_digests_statement(names: dict[str, Identifier]) -> Composed:
+    """The chain digest of each (originator id, version) of two arrays, each event found
+    through the primary key and its link through the position (``OFFSET 0`` keeps the
+    planner from hashing the whole events table when it has no statistics yet)."""
+    return SQL(
+        "SELECT e.originator_id, e.originator_version, c.digest "
+        "FROM unnest(%b::uuid[], %b::bigint[]) AS v(id, version) CROSS JOIN LATERAL "
+        "(SELECT originator_id, originator_version, notification_id FROM {schema}.{events} "
+        "WHERE originator_id = v.id AND originator_version = v.version OFFSET 0) AS e "
+        "CROSS JOIN LATERAL (SELECT digest FROM {schema}.{chain} "
+        "WHERE position = e.notification_id OFFSET 0) AS c"
+    ).format(**names)
+
+
 def insert_unnested(curs: Any, statement: Composed, stored_events: Sequence[StoredEvent]) -> None:
     curs.execute(
         statement,
@@ -446,13 +460,7 @@ class SealedPostgresSnapshots(SealedSnapshots, PostgresAggregateRecorder):
         if not stored_events:
             return None
         names = self._names()
-        values = SQL(", ").join(SQL("(%s::uuid, %s::bigint)") for _ in stored_events)
-        find = SQL(
-            "SELECT e.originator_id, e.originator_version, c.digest FROM {schema}.{events} e "
-            "JOIN (VALUES {values}) AS v(id, version) ON e.originator_id = v.id "
-            "AND e.originator_version = v.version "
-            "JOIN {schema}.{chain} c ON c.position = e.notification_id"
-        ).format(values=values, **names)
+        find = chain_digests_statement(names)
         insert = SQL(
             "INSERT INTO {schema}.{seals} "
             "SELECT * FROM unnest(%b::uuid[], %b::bigint[], %b::bytea[])"
@@ -464,7 +472,12 @@ class SealedPostgresSnapshots(SealedSnapshots, PostgresAggregateRecorder):
         ):
             insert_unnested(curs, unnested_insert(self, returning=False), stored_events)
             curs.execute(
-                find, [v for s in stored_events for v in (s.originator_id, s.originator_version)]
+                find,
+                [
+                    [s.originator_id for s in stored_events],
+                    [s.originator_version for s in stored_events],
+                ],
+                prepare=True,
             )
             digests = {(row[0], row[1]): bytes(row[2]) for row in curs.fetchall()}
             sealed = [

@@ -25,7 +25,7 @@ from eventsourcing.persistence import StoredEvent
 from eventsourcing.postgres import PostgresAggregateRecorder
 from eventsourcing.sqlite import SQLiteAggregateRecorder
 from psycopg.rows import tuple_row
-from psycopg.sql import SQL, Identifier
+from psycopg.sql import SQL, Composed, Identifier
 
 from secondbox_scheduler.infrastructure.event_chain import SealedSnapshots
 
@@ -46,26 +46,35 @@ class _fast_forward_lock:
         self.repository._disuse_fastforward_lock(self.aggregate_id)
 
 
+def select_after_statement(schema: str, events_table: str) -> Composed:
+    """The events after a given version of each stream (two arrays: ids, versions), each
+    stream read through the primary key. The subquery's ``OFFSET 0`` keeps the planner
+    from flattening it into a join it may run as a scan of the whole table: with no
+    statistics yet (a young table, the first minute after a large insert), it estimates
+    hundreds of events per stream and hashes the table, 14 ms at 35,000 events instead
+    of 0.3 ms."""
+    return SQL(
+        "SELECT e.originator_id, e.originator_version, e.topic, e.state "
+        "FROM unnest(%b::uuid[], %b::bigint[]) AS v(id, version) CROSS JOIN LATERAL "
+        "(SELECT originator_id, originator_version, topic, state FROM {}.{} "
+        "WHERE originator_id = v.id AND originator_version > v.version OFFSET 0) AS e "
+        "ORDER BY e.originator_id, e.originator_version"
+    ).format(Identifier(schema), Identifier(events_table))
+
+
 def _select_after(
     recorder: PostgresAggregateRecorder | SQLiteAggregateRecorder,
     streams: Sequence[tuple[UUID, int]],
 ) -> list[StoredEvent]:
     """Stored events after the given version of each stream, each stream in order."""
     if isinstance(recorder, PostgresAggregateRecorder):
-        values = SQL(", ").join(SQL("(%s::uuid, %s::bigint)") for _ in streams)
-        statement = SQL(
-            "SELECT e.originator_id, e.originator_version, e.topic, e.state FROM {}.{} e "
-            "JOIN (VALUES {}) AS v(id, version) ON e.originator_id = v.id "
-            "AND e.originator_version > v.version ORDER BY e.originator_id, e.originator_version"
-        ).format(
-            Identifier(recorder.datastore.schema), Identifier(recorder.events_table_name), values
-        )
-        params: list[Any] = [value for stream in streams for value in stream]
+        statement = select_after_statement(recorder.datastore.schema, recorder.events_table_name)
+        arrays = [[stream[0] for stream in streams], [stream[1] for stream in streams]]
         with (
             recorder.datastore.get_connection() as connection,
             connection.cursor(row_factory=tuple_row, binary=True) as cursor,
         ):
-            cursor.execute(statement, params, prepare=len(streams) <= 2)
+            cursor.execute(statement, arrays, prepare=True)
             rows = cursor.fetchall()
         return [StoredEvent(row[0], row[1], row[2], row[3]) for row in rows]
     values_text = ", ".join("(?, ?)" for _ in streams)

@@ -9,7 +9,10 @@ request order (each fence followed by its reservation and its token index, as a 
 placement writes them), so the log of a batch reads like the log of the same placements
 made one after another, and the audit fold checks it the same way.
 
-When another process committed first (the save fails on a stream version), only the
+While it decides and commits, the batch holds an advisory lock on each of its home
+runners (PostgreSQL, :mod:`.runner_locks`): replicas whose batches meet on a runner take
+turns instead of invalidating each other's decisions. Correctness does not rest on them:
+when another process committed first (the save fails on a stream version), only the
 requests that read a stream that changed, and the requests that read what those wrote,
 are decided again, each within its own ``serialization_retry_limit``; the others are
 committed at once. Every caller gets the answer a serial execution would give: its
@@ -85,8 +88,12 @@ class PlacementBatch:
         todo = list(range(len(requests)))
         round_ = 0
         while todo:
-            decisions = self._decide([(index, requests[index], conflicts[index]) for index in todo])
-            retry = self._commit(decisions)
+            pending = [(index, requests[index], conflicts[index]) for index in todo]
+            sandboxes = self._sandboxes({request.sandbox_id for _, request, _ in pending})
+            homes = {s.home_runner_id for s in sandboxes.values() if s and s.home_runner_id}
+            with self.app.runner_locks.hold(homes):  # liveness only (:mod:`.runner_locks`)
+                decisions = self._decide(pending, sandboxes, homes)
+                retry = self._commit(decisions)
             for decision in decisions:
                 if decision.index in retry:
                     continue
@@ -112,12 +119,15 @@ class PlacementBatch:
 
     # -- deciding ---------------------------------------------------------------
 
-    def _decide(self, pending: list[tuple[int, ScheduleRequest, int]]) -> list[_Decision]:
+    def _decide(
+        self,
+        pending: list[tuple[int, ScheduleRequest, int]],
+        sandboxes: dict[str, Sandbox | None],
+        homes: set[str],
+    ) -> list[_Decision]:
         """Decide each request in order against the state the earlier ones left. The
-        batch's sandboxes are read with one load, then their home runners and leases
-        with another (:func:`~.fast_forward.load_many`)."""
-        sandboxes = self._sandboxes({request.sandbox_id for _, request, _ in pending})
-        homes = {s.home_runner_id for s in sandboxes.values() if s is not None and s.home_runner_id}
+        batch's sandboxes were read with one load; their home runners and leases are
+        read with another (:func:`~.fast_forward.load_many`)."""
         runners = self._runners(homes)
         clock = self.app.now()
         decisions = []

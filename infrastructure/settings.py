@@ -28,6 +28,9 @@ CLOCK_TOLERANCE_SECONDS = "SECONDBOX_CLOCK_TOLERANCE_SECONDS"
 BATCHING = "SECONDBOX_BATCHING"
 BATCH_SIZE = "SECONDBOX_BATCH_SIZE"
 BATCH_WAIT_MS = "SECONDBOX_BATCH_WAIT_MS"
+# Advisory locks on a batch's home runners (infrastructure/runner_locks.py, PostgreSQL):
+# "on" (default) or "off", to measure what they change.
+RUNNER_LOCKS = "SECONDBOX_RUNNER_LOCKS"
 DEFAULT_SQLITE_URL = "sqlite:///secondbox.db"
 # The key of the event chain and snapshot seals (HMAC-SHA-256; unset: SHA-256 alone).
 AUDIT_KEY = "SECONDBOX_AUDIT_KEY"

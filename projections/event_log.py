@@ -14,7 +14,7 @@ from eventsourcing.persistence import ApplicationRecorder
 from eventsourcing.popo import POPOApplicationRecorder
 from eventsourcing.postgres import PostgresApplicationRecorder
 from eventsourcing.sqlite import SQLiteApplicationRecorder
-from psycopg.sql import SQL, Identifier
+from psycopg.sql import SQL, Composed, Identifier
 
 
 def count_events(recorder: ApplicationRecorder) -> int:
@@ -58,18 +58,31 @@ def count_events_after(recorder: ApplicationRecorder, position: int) -> int:
     return max(0, count_events(recorder) - position)
 
 
+def last_versions_statement(schema: str, events_table: str) -> Composed:
+    """The last version of each stream of an array of ids (NULL: not stored), with one
+    backward probe of the primary key per stream. A ``GROUP BY`` over ``= ANY`` was
+    planned as a scan of the whole table while it had no statistics yet (55 ms at
+    100,000 events instead of 0.1 ms), as a young store's tables do."""
+    return SQL(
+        "SELECT v.id AS originator_id, (SELECT originator_version FROM {}.{} "
+        "WHERE originator_id = v.id ORDER BY originator_version DESC LIMIT 1) AS v "
+        "FROM unnest(%b::uuid[]) AS v(id)"
+    ).format(Identifier(schema), Identifier(events_table))
+
+
 def last_versions(recorder: ApplicationRecorder, stream_ids: Sequence[UUID]) -> dict[UUID, int]:
     """The last stored version of each of the streams (a stream not stored is absent)."""
     if not stream_ids:
         return {}
     if isinstance(recorder, PostgresApplicationRecorder):
-        statement = SQL(
-            "SELECT originator_id, MAX(originator_version) AS v FROM {}.{} "
-            "WHERE originator_id = ANY(%s) GROUP BY originator_id"
-        ).format(Identifier(recorder.datastore.schema), Identifier(recorder.events_table_name))
+        statement = last_versions_statement(recorder.datastore.schema, recorder.events_table_name)
         with recorder.datastore.transaction(commit=False) as cursor:
-            cursor.execute(statement, (list(stream_ids),))
-            return {row["originator_id"]: int(row["v"]) for row in cursor.fetchall()}
+            cursor.execute(statement, (list(stream_ids),), prepare=True)
+            return {
+                row["originator_id"]: int(row["v"])
+                for row in cursor.fetchall()
+                if row["v"] is not None
+            }
     if isinstance(recorder, SQLiteApplicationRecorder):
         marks = ",".join("?" for _ in stream_ids)
         with recorder.datastore.transaction(commit=False) as cursor:

@@ -18,9 +18,12 @@ import cProfile
 import json
 import pstats
 import random
+import threading
 import time
+from collections import deque
 from datetime import UTC, datetime
 
+from secondbox_scheduler.domain.values import Requirements
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.bench.database import bench_database
 from secondbox_scheduler.infrastructure.bench.fleet import (
@@ -38,23 +41,39 @@ def main() -> None:
     parser.add_argument("--placements", type=int, default=3200)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--sort", default="cumulative", help="cProfile order: cumulative, tottime")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="N concurrent callers of schedule (the batcher groups them) instead of schedule_many",
+    )
+    parser.add_argument("--runners", type=int, default=200)
+    parser.add_argument(
+        "--extra", type=int, default=0, help="more sandboxes created (untimed) and not placed"
+    )
     args = parser.parse_args()
     stamp = f"profile_{int(time.time())}"
     with bench_database(None, stamp, keep=False) as fresh:
         app = SchedulerApplication(env={"SECONDBOX_DATABASE_URL": fresh.url})
         requirements = bench_requirements("profile")
         at = datetime.now(UTC)
-        snapshots = register_fleet(app, roomy_fleet("profile", 200, instances=1000), at)
+        snapshots = register_fleet(app, roomy_fleet("profile", args.runners, instances=1000), at)
         rng = random.Random(7)
-        homes = [(f"sbx-{n}", rng.choice(list(snapshots.values()))) for n in range(args.placements)]
+        homes = [
+            (f"sbx-{n}", rng.choice(list(snapshots.values())))
+            for n in range(args.placements + args.extra)
+        ]
         create_homed_sandboxes(app, homes, requirements, at)
+        homes = homes[: args.placements]
         ids = [sandbox_id for sandbox_id, _ in homes]
         profiler = cProfile.Profile() if args.profile else None
         wall, cpu = time.perf_counter(), time.process_time()
         if profiler:
             profiler.enable()
         placed = 0
-        for start in range(0, len(ids), args.batch):
+        if args.threads:
+            placed = _threaded(app, ids, requirements, args.threads)
+        for start in range(0, len(ids) if not args.threads else 0, args.batch):
             now = datetime.now(UTC)
             requests = [
                 schedule_request(s, requirements, now, seed=7, serialization_retry_limit=10)
@@ -68,12 +87,41 @@ def main() -> None:
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         app.close()
     print(json.dumps({
-        "batch": args.batch, "placed": placed,
+        "batch": args.batch, "threads": args.threads, "runners": args.runners, "placed": placed,
         "placements_per_second": round(placed / wall, 1),
         "process_cpu_ms_per_placement": round(1000 * cpu / placed, 3),
     }))  # fmt: skip
     if profiler:
         pstats.Stats(profiler).sort_stats(args.sort).print_stats(25)
+
+
+def _threaded(
+    app: SchedulerApplication, ids: list[str], requirements: Requirements, threads: int
+) -> int:
+    """Place ``ids`` from ``threads`` concurrent callers of ``app.schedule``."""
+    remaining = deque(ids)
+    lock = threading.Lock()
+    placed = [0]
+
+    def caller() -> None:
+        while True:
+            with lock:
+                if not remaining:
+                    return
+                sandbox_id = remaining.popleft()
+            request = schedule_request(
+                sandbox_id, requirements, datetime.now(UTC), seed=7, serialization_retry_limit=10
+            )
+            _, created = app.schedule(request)
+            with lock:
+                placed[0] += created
+
+    workers = [threading.Thread(target=caller) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return placed[0]
 
 
 if __name__ == "__main__":
