@@ -24,6 +24,7 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Sequence
+from functools import cached_property
 from typing import Any
 from uuid import UUID
 
@@ -103,7 +104,12 @@ def chain_digests_statement(names: dict[str, Identifier]) -> Composed:
     ).format(**names)
 
 
-def insert_unnested(curs: Any, statement: Composed, stored_events: Sequence[StoredEvent]) -> None:
+def compiled(statement: Composed) -> bytes:
+    """A statement rendered once, to execute many times."""
+    return statement.as_bytes(None)
+
+
+def insert_unnested(curs: Any, statement: bytes, stored_events: Sequence[StoredEvent]) -> None:
     curs.execute(
         statement,
         (
@@ -194,18 +200,27 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
                 "$BODY$BEGIN LOCK TABLE {schema}.{events} IN EXCLUSIVE MODE; END;$BODY$"
             ).format(schema=schema, function=function, events=events)
         )
+        # statements rendered once: psycopg renders a Composed again at every execute
         self.lock_table_statements = [
-            SQL("SET LOCAL lock_timeout = '{0}s'").format(datastore.lock_timeout),
-            SQL("SELECT {}.{}()").format(schema, function),
+            compiled(SQL("SET LOCAL lock_timeout = '{0}s'").format(datastore.lock_timeout)),
+            compiled(SQL("SELECT {}.{}()").format(schema, function)),
         ]
-        self.insert_unnested_statement = unnested_insert(self, returning=True)
-        self.select_head_statement: Composed = SQL(
-            "SELECT position, previous, digest FROM {}.{} ORDER BY position DESC LIMIT 1"
-        ).format(schema, chain)
+        self.notify_statement = compiled(SQL("NOTIFY {}").format(Identifier(self.channel_name)))
+        self.insert_unnested_statement = compiled(unnested_insert(self, returning=True))
+        self.select_head_statement = compiled(
+            SQL(
+                "SELECT position, previous, digest FROM {}.{} ORDER BY position DESC LIMIT 1"
+            ).format(schema, chain)
+        )
         # every link of a save in one statement (arrays unnested), not one per event
-        self.insert_links_statement: Composed = SQL(
-            "INSERT INTO {}.{} SELECT * FROM unnest(%b::bigint[], %b::bigint[], %b::bytea[])"
-        ).format(schema, chain)
+        self.insert_links_statement = compiled(
+            SQL(
+                "INSERT INTO {}.{} SELECT * FROM unnest(%b::bigint[], %b::bigint[], %b::bytea[])"
+            ).format(schema, chain)
+        )
+
+    def _notify_channel(self, curs: Any) -> None:
+        curs.execute(self.notify_statement)
 
     @retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
     def insert_events(
@@ -444,6 +459,38 @@ class SealedPostgresSnapshots(SealedSnapshots, PostgresAggregateRecorder):
             ).format(Identifier(datastore.schema), Identifier(seal_table(events_table_name)))
         )
 
+    @cached_property
+    def _statements(self) -> dict[str, bytes]:
+        """This store's statements, rendered once (after :meth:`configure`)."""
+        names = self._names()
+        latest_and_after = SQL(
+            "WITH snap AS (SELECT DISTINCT ON (s.originator_id) s.originator_id, "
+            "s.originator_version, s.topic, s.state, g.seal, c.digest "
+            "FROM {schema}.{snapshots} s LEFT JOIN {schema}.{seals} g "
+            "ON g.originator_id = s.originator_id AND g.originator_version = s.originator_version "
+            "LEFT JOIN {schema}.{events} e ON e.originator_id = s.originator_id "
+            "AND e.originator_version = s.originator_version "
+            "LEFT JOIN {schema}.{chain} c ON c.position = e.notification_id "
+            "WHERE s.originator_id = ANY(%b) ORDER BY s.originator_id, s.originator_version DESC) "
+            "SELECT originator_id, 0 AS part, originator_version, topic, state, seal, digest "
+            "FROM snap UNION ALL SELECT e.originator_id, 1, e.originator_version, e.topic, "
+            "e.state, NULL, NULL FROM {schema}.{events} e LEFT JOIN snap s "
+            "ON s.originator_id = e.originator_id WHERE e.originator_id = ANY(%b) "
+            "AND e.originator_version > COALESCE(s.originator_version, 0) "
+            "ORDER BY originator_id, part, originator_version"
+        ).format(**names)
+        return {
+            "insert": compiled(unnested_insert(self, returning=False)),
+            "digests": compiled(chain_digests_statement(names)),
+            "seals": compiled(
+                SQL(
+                    "INSERT INTO {schema}.{seals} "
+                    "SELECT * FROM unnest(%b::uuid[], %b::bigint[], %b::bytea[])"
+                ).format(**names)
+            ),
+            "latest_and_after": compiled(latest_and_after),
+        }
+
     def _names(self) -> dict[str, Identifier]:
         return {
             "schema": Identifier(self.datastore.schema),
@@ -459,20 +506,15 @@ class SealedPostgresSnapshots(SealedSnapshots, PostgresAggregateRecorder):
     ) -> Sequence[int] | None:
         if not stored_events:
             return None
-        names = self._names()
-        find = chain_digests_statement(names)
-        insert = SQL(
-            "INSERT INTO {schema}.{seals} "
-            "SELECT * FROM unnest(%b::uuid[], %b::bigint[], %b::bytea[])"
-        ).format(**names)
+        statements = self._statements
         with (
             self.datastore.get_connection() as conn,
             conn.transaction(),
             conn.cursor(row_factory=tuple_row) as curs,
         ):
-            insert_unnested(curs, unnested_insert(self, returning=False), stored_events)
+            insert_unnested(curs, statements["insert"], stored_events)
             curs.execute(
-                find,
+                statements["digests"],
                 [
                     [s.originator_id for s in stored_events],
                     [s.originator_version for s in stored_events],
@@ -487,7 +529,7 @@ class SealedPostgresSnapshots(SealedSnapshots, PostgresAggregateRecorder):
             ]
             if sealed:
                 curs.execute(
-                    insert,
+                    statements["seals"],
                     (
                         [s.originator_id for s, _ in sealed],
                         [s.originator_version for s, _ in sealed],
@@ -542,28 +584,13 @@ class SealedPostgresSnapshots(SealedSnapshots, PostgresAggregateRecorder):
     ) -> tuple[dict[UUID, StoredEvent], list[StoredEvent], set[UUID]] | None:
         if not originator_ids:
             return {}, [], set()
-        statement = SQL(
-            "WITH snap AS (SELECT DISTINCT ON (s.originator_id) s.originator_id, "
-            "s.originator_version, s.topic, s.state, g.seal, c.digest "
-            "FROM {schema}.{snapshots} s LEFT JOIN {schema}.{seals} g "
-            "ON g.originator_id = s.originator_id AND g.originator_version = s.originator_version "
-            "LEFT JOIN {schema}.{events} e ON e.originator_id = s.originator_id "
-            "AND e.originator_version = s.originator_version "
-            "LEFT JOIN {schema}.{chain} c ON c.position = e.notification_id "
-            "WHERE s.originator_id = ANY(%s) ORDER BY s.originator_id, s.originator_version DESC) "
-            "SELECT originator_id, 0 AS part, originator_version, topic, state, seal, digest "
-            "FROM snap UNION ALL SELECT e.originator_id, 1, e.originator_version, e.topic, "
-            "e.state, NULL, NULL FROM {schema}.{events} e LEFT JOIN snap s "
-            "ON s.originator_id = e.originator_id WHERE e.originator_id = ANY(%s) "
-            "AND e.originator_version > COALESCE(s.originator_version, 0) "
-            "ORDER BY originator_id, part, originator_version"
-        ).format(**self._names())
+        statement = self._statements["latest_and_after"]
         ids = list(originator_ids)
         with (
             self.datastore.get_connection() as conn,
             conn.cursor(row_factory=tuple_row, binary=True) as curs,
         ):
-            curs.execute(statement, (ids, ids))
+            curs.execute(statement, (ids, ids), prepare=True)
             rows = curs.fetchall()
         snapshots = [
             (StoredEvent(r[0], r[2], r[3], bytes(r[4])), r[5], r[6]) for r in rows if r[1] == 0

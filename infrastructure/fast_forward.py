@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from contextlib import ExitStack, suppress
+from functools import lru_cache
 from typing import Any
 from uuid import UUID
 
@@ -62,13 +63,18 @@ def select_after_statement(schema: str, events_table: str) -> Composed:
     ).format(Identifier(schema), Identifier(events_table))
 
 
-def _select_after(
+@lru_cache(maxsize=64)
+def _select_after(schema: str, events_table: str) -> bytes:
+    return select_after_statement(schema, events_table).as_bytes(None)
+
+
+def _select_events_after(
     recorder: PostgresAggregateRecorder | SQLiteAggregateRecorder,
     streams: Sequence[tuple[UUID, int]],
 ) -> list[StoredEvent]:
     """Stored events after the given version of each stream, each stream in order."""
     if isinstance(recorder, PostgresAggregateRecorder):
-        statement = select_after_statement(recorder.datastore.schema, recorder.events_table_name)
+        statement = _select_after(recorder.datastore.schema, recorder.events_table_name)
         arrays = [[stream[0] for stream in streams], [stream[1] for stream in streams]]
         with (
             recorder.datastore.get_connection() as connection,
@@ -142,7 +148,7 @@ def _load_together(app: Application[UUID], ids: list[UUID]) -> dict[UUID, Any]:
             after = [
                 (aggregate_id, aggregate.version) for aggregate_id, aggregate in cached.items()
             ]
-            for event in _select_after(recorder, after):
+            for event in _select_events_after(recorder, after):
                 domain_event: Any = app.mapper.to_domain_event(event)
                 aggregate = cached[domain_event.originator_id]
                 if domain_event.mutate(aggregate) is not aggregate:
@@ -161,11 +167,13 @@ def _load_together(app: Application[UUID], ids: list[UUID]) -> dict[UUID, Any]:
             if together is None:
                 trusted = sealed.select_latest(missing)
                 after = [(i, trusted[i].originator_version if i in trusted else 0) for i in missing]
-                events = _select_after(recorder, after)
+                events = _select_events_after(recorder, after)
             else:
                 trusted, events, refused = together
                 if refused:  # rare: a forged snapshot; its stream is read from the start
-                    replayed = _select_after(recorder, [(i, 0) for i in sorted(refused, key=str)])
+                    replayed = _select_events_after(
+                        recorder, [(i, 0) for i in sorted(refused, key=str)]
+                    )
                     events = [e for e in events if e.originator_id not in refused] + replayed
             rebuilt: dict[UUID, Any] = {}
             for aggregate_id, snapshot in trusted.items():

@@ -26,8 +26,10 @@ import logging
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
+import psycopg
 from eventsourcing.postgres import PostgresAggregateRecorder
 from psycopg import errors
+from psycopg.sql import SQL, Literal
 
 log = logging.getLogger(__name__)
 
@@ -60,22 +62,27 @@ class RunnerLocks:
             yield False
             return
         assert self.recorder is not None
-        # a transaction of its own: its end (commit, rollback, a broken session) releases
-        # every lock; the pool never gets the connection back holding one
-        with (
-            self.recorder.datastore.get_connection() as connection,
-            connection.transaction(),
-        ):
-            held = True
+        datastore = self.recorder.datastore
+        with datastore.get_connection() as connection:
+            # session-level locks, taken in key order with a bounded wait by one
+            # statement (one round trip), released with another; a session that breaks
+            # takes its locks with it
+            take = SQL(
+                "DO $$ DECLARE k bigint; BEGIN "
+                "PERFORM set_config('lock_timeout', {wait}, true); "
+                "FOREACH k IN ARRAY {keys}::bigint[] LOOP PERFORM pg_advisory_lock(k); "
+                "END LOOP; END $$"
+            ).format(wait=Literal(f"{LOCK_WAIT_MS}ms"), keys=Literal(keys))
             try:
-                with connection.transaction():  # a savepoint: a timeout undoes only it
-                    connection.execute(f"SET LOCAL lock_timeout = {LOCK_WAIT_MS}")
-                    connection.execute(
-                        "SELECT count(pg_advisory_xact_lock(k)) FROM "
-                        "(SELECT unnest(%s::bigint[]) AS k ORDER BY 1) AS ordered",
-                        (keys,),
-                    )
-            except errors.LockNotAvailable:
-                held = False
-                log.info("runner locks not granted in %s ms: deciding without", LOCK_WAIT_MS)
-            yield held
+                try:
+                    connection.execute(take)
+                    held = True
+                except errors.LockNotAvailable:
+                    held = False
+                    log.info("runner locks not granted in %s ms: deciding without", LOCK_WAIT_MS)
+                yield held
+            finally:
+                try:
+                    connection.execute("SELECT pg_advisory_unlock_all()")
+                except psycopg.Error:  # a broken session: it ends, and its locks with it
+                    connection.close()  # the pool drops a closed connection

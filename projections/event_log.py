@@ -8,6 +8,7 @@ position can run ahead of the number of stored events.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from uuid import UUID
 
 from eventsourcing.persistence import ApplicationRecorder
@@ -70,12 +71,17 @@ def last_versions_statement(schema: str, events_table: str) -> Composed:
     ).format(Identifier(schema), Identifier(events_table))
 
 
+@lru_cache(maxsize=64)
+def _last_versions(schema: str, events_table: str) -> bytes:
+    return last_versions_statement(schema, events_table).as_bytes(None)
+
+
 def last_versions(recorder: ApplicationRecorder, stream_ids: Sequence[UUID]) -> dict[UUID, int]:
     """The last stored version of each of the streams (a stream not stored is absent)."""
     if not stream_ids:
         return {}
     if isinstance(recorder, PostgresApplicationRecorder):
-        statement = last_versions_statement(recorder.datastore.schema, recorder.events_table_name)
+        statement = _last_versions(recorder.datastore.schema, recorder.events_table_name)
         with recorder.datastore.transaction(commit=False) as cursor:
             cursor.execute(statement, (list(stream_ids),), prepare=True)
             return {
