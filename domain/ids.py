@@ -6,19 +6,26 @@ that callers use, and two replicas creating the same id collide on the same stre
 
 from __future__ import annotations
 
+from functools import lru_cache
 from uuid import UUID, uuid5
 
 NAMESPACE = UUID("3f4c1f0e-5b8e-4f7a-9d57-2f1a6c0b9e11")
+# a placement derives the same few ids several times (SHA-1 each): the last ones are
+# kept, a bounded number (sandbox ids are not)
+REMEMBERED = 16_384
 
 
+@lru_cache(maxsize=REMEMBERED)
 def runner_uuid(runner_id: str) -> UUID:
     return uuid5(NAMESPACE, f"runner:{runner_id}")
 
 
+@lru_cache(maxsize=REMEMBERED)
 def lease_uuid(runner_id: str) -> UUID:
     return uuid5(NAMESPACE, f"runner-lease:{runner_id}")
 
 
+@lru_cache(maxsize=REMEMBERED)
 def sandbox_uuid(sandbox_id: str) -> UUID:
     return uuid5(NAMESPACE, f"sandbox:{sandbox_id}")
 

@@ -56,6 +56,7 @@ class BenchSettings:
         seconds: float | None = None,
         sections: tuple[str, ...] = SECTIONS,
         chain: bool = True,
+        callers: int | None = None,
     ) -> BenchSettings:
         if quick:
             base = cls(
@@ -80,6 +81,8 @@ class BenchSettings:
             base = cls(
                 workers=workers, runners=runners or 1000, seed=seed, sections=sections, chain=chain
             )
+        if callers is not None:
+            base = cls(**{**asdict(base), "callers": callers})
         if seconds is not None:
             base = cls(
                 **{

@@ -43,7 +43,8 @@ BENCH_HELP = (
     "  secondbox-scheduler bench --quick --json\n"
     "  secondbox-scheduler bench --quick --database-url sqlite:////tmp/bench-new.db\n"
     "  secondbox-scheduler bench --only raw,placement --workers 2\n"
-    "  secondbox-scheduler bench --only raw,placement,batched,replay --chain off"
+    "  secondbox-scheduler bench --only raw,placement,batched,replay --chain off\n"
+    "  secondbox-scheduler bench --only raw,batched --callers 4"
 )
 
 bench_cli = typer.Typer(help=BENCH_HELP, invoke_without_command=True)
@@ -105,6 +106,17 @@ def bench(
             ),
         ),
     ] = "on",
+    callers: Annotated[
+        int | None,
+        typer.Option(
+            "--callers",
+            min=1,
+            help=(
+                "Concurrent schedule callers per worker in the batched runs: 16, or 8 with "
+                "--quick. Fewer: smaller batches, shorter waits; more: the opposite."
+            ),
+        ),
+    ] = None,
     as_json: JsonOutput = False,
 ) -> None:
     if ctx.invoked_subcommand is not None:
@@ -125,7 +137,7 @@ def bench(
         fail(f"--chain takes on or off; got {chain!r}")
     settings = BenchSettings.make(
         quick=quick, workers=workers, runners=runners, seed=seed, seconds=seconds,
-        sections=sections, chain=chain == "on",
+        sections=sections, chain=chain == "on", callers=callers,
     )  # fmt: skip
     err = Console(stderr=True, highlight=False)
     try:
