@@ -1,12 +1,17 @@
 """CPU cost of the batched placement path in one process, for before/after comparisons.
 
     .venv/bin/python scripts/profile_batch.py [--batch 32] [--placements 3200] [--profile]
+        [--threads N] [--runners 200] [--extra N] [--sort tottime]
 
-Registers 200 roomy runners and creates the sandboxes (untimed) in a new schema of the
-local PostgreSQL server, then places them with ``schedule_many`` in batches, building
+Registers 200 roomy runners (``--runners``), loads them into the aggregate cache as a
+long-running replica has them, and creates the sandboxes (untimed; ``--extra`` more that
+are never placed, to measure with a larger table) in a new database of the local
+PostgreSQL server, then places them with ``schedule_many`` in batches, or from
+``--threads`` concurrent callers of ``schedule`` (the batcher groups them), building
 each request as it is sent. Prints placements/s (wall), the process's CPU ms per
 placement (``time.process_time``: this process only, so less sensitive to other load on
-the machine than the wall figures), and with ``--profile`` the functions that cost the
+the machine than the wall figures), the machine's CPU ms per placement (``/proc/stat``:
+with the database server's), and with ``--profile`` the functions that cost the
 most (cProfile, cumulative). Run it with ``PYTHONPATH=<another checkout>`` to measure
 that checkout's code with the same script.
 """
@@ -23,6 +28,7 @@ import time
 from collections import deque
 from datetime import UTC, datetime
 
+from secondbox_scheduler.domain.ids import lease_uuid, runner_uuid
 from secondbox_scheduler.domain.values import Requirements
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.bench.database import bench_database
@@ -67,6 +73,9 @@ def main() -> None:
         create_homed_sandboxes(app, homes, requirements, at)
         homes = homes[: args.placements]
         ids = [sandbox_id for sandbox_id, _ in homes]
+        for runner_id in snapshots:  # a long-running replica has its runners cached
+            app.repository.get(runner_uuid(runner_id))
+            app.repository.get(lease_uuid(runner_id))
         profiler = cProfile.Profile() if args.profile else None
         wall, cpu, machine = time.perf_counter(), time.process_time(), machine_cpu_seconds()[0]
         if profiler:
