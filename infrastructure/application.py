@@ -274,6 +274,12 @@ class SchedulerApplication(Application[UUID]):
             if metrics_registry is not None:
                 self.attach_metrics(metrics_registry)
 
+    def close(self) -> None:
+        locks = getattr(self, "runner_locks", None)
+        if locks is not None:
+            locks.close()
+        super().close()
+
     def attach_metrics(self, registry: CollectorRegistry | None = None) -> PrometheusMetrics:
         """Export the metrics of this application (:mod:`.metrics`) to ``registry`` (a new
         one if None; pass ``prometheus_client.REGISTRY`` for the process-wide one), from

@@ -6,34 +6,52 @@ liveness. Replicas whose batches keep meeting on the same few runners would othe
 lose race after race (each rival's commit invalidates the others' decisions), and a
 request could exhaust its retry budget while the runner still had room: a contention
 error where a serial execution would have placed it. So a batch, once it knows its
-sandboxes' home runners, takes a transaction-level advisory lock per runner (in one
-order, so two batches never wait for each other in a cycle) on a connection of its own,
-decides and commits while holding them, and ends that transaction. Batches on disjoint
-runners never wait; batches on the same runner take turns, as a plan applier would
-commit them, and the second one decides against the first one's commit.
+sandboxes' home runners, takes a **session-level** advisory lock per runner (in key
+order, so two batches never wait for each other in a cycle) with one statement, reads
+the runners, decides and commits while holding them, and releases them all with a
+second statement. Batches on disjoint runners never wait; batches on the same runner
+take turns, as a plan applier would commit them, and the second one decides against
+the first one's commit.
 
-A lock wait is bounded (``LOCK_WAIT``): past it the batch goes on without the locks, as
-before them. A killed process's locks end with its session. The keys are 64-bit digests
-of the events table's schema and name and the runner id, so two stores in one database
-never share a lock. SQLite, the in-memory store, and a pool of one connection (the batch
-needs a second one to load and save while it holds the first): no locks.
+The locks live on connections of their own (a pool of at most ``LOCK_CONNECTIONS`` per
+application), never on the store's pool: a batch that held one of the store's
+connections while it waited for a second one to load and save would starve that pool
+when as many batches ran at once as it has connections. Every failure of the locking
+step is a reason to go on without the locks, never an error of the batch: no lock
+connection within ``CONNECTION_WAIT``, a rival's lock not granted within ``LOCK_WAIT_MS``
+per key (the locks already taken are then released before the batch goes on), a broken
+session. A lock connection whose release fails or is interrupted is closed, so no
+connection goes back to the pool holding a lock; a killed process's locks end with its
+session. The keys are 64-bit digests of the events table's schema and name and the
+runner id, so two stores in one database never share a lock. SQLite and the in-memory
+store: no locks.
+
+A limitation: a batch reads its sandboxes before it takes the locks (it needs them to
+know the runners), so two replicas placing the same sandbox at once still race on the
+sandbox's stream, and the loser decides again (within its retry budget).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import psycopg
 from eventsourcing.postgres import PostgresAggregateRecorder
 from psycopg import errors
 from psycopg.sql import SQL, Literal
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 log = logging.getLogger(__name__)
 
-LOCK_WAIT_MS = 2000  # longest wait for a rival batch's locks before going on without
+LOCK_WAIT_MS = 2000  # longest wait for each rival lock before going on without
+LOCK_CONNECTIONS = 4  # lock connections per application (batches holding locks at once)
+CONNECTION_WAIT = 1.0  # seconds a batch waits for a free lock connection
+UNLOCK = "SELECT pg_advisory_unlock_all()"
 
 
 def lock_key(namespace: str, runner_id: str) -> int:
@@ -47,42 +65,99 @@ class RunnerLocks:
 
     def __init__(self, recorder: object) -> None:
         self.recorder = recorder if isinstance(recorder, PostgresAggregateRecorder) else None
+        self.namespace = ""
+        self._pool: ConnectionPool[Any] | None = None
+        self._pool_lock = threading.Lock()
         if self.recorder is not None:
             datastore = self.recorder.datastore
-            if datastore.pool.max_size < 2:
-                self.recorder = None
-            else:
-                self.namespace = f"{datastore.schema}.{self.recorder.events_table_name}"
+            self.namespace = f"{datastore.schema}.{self.recorder.events_table_name}"
 
     @contextmanager
     def hold(self, runner_ids: Iterable[str]) -> Iterator[bool]:
         """Hold the runners' locks for the block; yields whether they are held."""
         keys = sorted({lock_key(self.namespace, r) for r in runner_ids}) if self.recorder else []
-        if not keys:
+        connection = self._connection() if keys else None
+        if connection is None:
             yield False
             return
-        assert self.recorder is not None
-        datastore = self.recorder.datastore
-        with datastore.get_connection() as connection:
-            # session-level locks, taken in key order with a bounded wait by one
-            # statement (one round trip), released with another; a session that breaks
-            # takes its locks with it
-            take = SQL(
-                "DO $$ DECLARE k bigint; BEGIN "
-                "PERFORM set_config('lock_timeout', {wait}, true); "
-                "FOREACH k IN ARRAY {keys}::bigint[] LOOP PERFORM pg_advisory_lock(k); "
-                "END LOOP; END $$"
-            ).format(wait=Literal(f"{LOCK_WAIT_MS}ms"), keys=Literal(keys))
-            try:
-                try:
-                    connection.execute(take)
-                    held = True
-                except errors.LockNotAvailable:
-                    held = False
-                    log.info("runner locks not granted in %s ms: deciding without", LOCK_WAIT_MS)
-                yield held
-            finally:
-                try:
-                    connection.execute("SELECT pg_advisory_unlock_all()")
-                except psycopg.Error:  # a broken session: it ends, and its locks with it
-                    connection.close()  # the pool drops a closed connection
+        try:
+            yield self._take(connection, keys)
+        finally:
+            self._release(connection)
+
+    def close(self) -> None:
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
+
+    def _release(self, connection: psycopg.Connection[Any]) -> None:
+        """Release every lock of the session and return its connection to the lock pool;
+        a release that fails or is interrupted ends the session (and its locks): the
+        pool drops a closed connection."""
+        pool = self._pool
+        assert pool is not None
+        try:
+            if not connection.closed:
+                connection.execute(UNLOCK)
+        except psycopg.Error:
+            connection.close()
+        except BaseException:
+            connection.close()
+            pool.putconn(connection)
+            raise
+        pool.putconn(connection)
+
+    def _connection(self) -> psycopg.Connection[Any] | None:
+        """A free lock connection, or None (go on without the locks)."""
+        try:
+            connection: psycopg.Connection[Any] = self._lock_pool().getconn(timeout=CONNECTION_WAIT)
+            return connection
+        except (PoolTimeout, psycopg.Error) as error:
+            log.info("no runner-lock connection (%s): deciding without the locks", error)
+            return None
+
+    def _lock_pool(self) -> ConnectionPool[Any]:
+        with self._pool_lock:
+            if self._pool is None:
+                assert self.recorder is not None
+                store = self.recorder.datastore.pool
+                stored = store.kwargs
+                stored = stored() if callable(stored) else stored or {}
+                kwargs = {k: v for k, v in stored.items() if k != "row_factory"}
+                password = getattr(store, "get_password_func", None)
+                if callable(password):
+                    kwargs["password"] = password()
+                self._pool = ConnectionPool(
+                    kwargs={**kwargs, "autocommit": True, "connect_timeout": 5},
+                    min_size=0,
+                    max_size=LOCK_CONNECTIONS,
+                    timeout=CONNECTION_WAIT,
+                    name="secondbox-runner-locks",
+                    open=True,
+                )
+            return self._pool
+
+    def _take(self, connection: psycopg.Connection[Any], keys: list[int]) -> bool:
+        """Take the locks of ``keys`` in order, each within LOCK_WAIT_MS, with one
+        statement; False (and none of them held) when one is not granted in time or the
+        session fails."""
+        take = SQL(
+            "DO $$ DECLARE k bigint; BEGIN "
+            "PERFORM set_config('lock_timeout', {wait}, true); "
+            "FOREACH k IN ARRAY {keys}::bigint[] LOOP PERFORM pg_advisory_lock(k); "
+            "END LOOP; END $$"
+        ).format(wait=Literal(f"{LOCK_WAIT_MS}ms"), keys=Literal(keys))
+        try:
+            connection.execute(take)
+            return True
+        except errors.LockNotAvailable:
+            log.info("runner locks not granted in %s ms: deciding without", LOCK_WAIT_MS)
+        except psycopg.Error as error:
+            log.info("runner locks not taken (%s): deciding without", error)
+        # the locks taken before the one refused are session locks: release them now
+        try:
+            connection.execute(UNLOCK)
+        except psycopg.Error:
+            connection.close()
+        return False

@@ -18,8 +18,9 @@ import psycopg
 import pytest
 
 from secondbox_scheduler.domain import SchedulerError, SerializationContentionError
-from secondbox_scheduler.infrastructure import SchedulerApplication
+from secondbox_scheduler.infrastructure import SchedulerApplication, runner_locks
 from secondbox_scheduler.infrastructure.audit_replay import verify
+from secondbox_scheduler.infrastructure.placement_batch import PlacementBatch
 from secondbox_scheduler.infrastructure.runner_locks import lock_key
 from tests.conftest import Clock, PostgresSchema
 from tests.factories import capacity, create_sandbox, register, schedule_request
@@ -27,10 +28,15 @@ from tests.factories import capacity, create_sandbox, register, schedule_request
 WAIT = 60.0  # seconds: only a hang would reach it
 
 
-def _advisory_waiters(schema: PostgresSchema) -> int:
+def _advisory_waiters(schema: PostgresSchema, app: SchedulerApplication, runner_id: str) -> int:
+    """Sessions of this database waiting for the runner's lock of ``app``'s store."""
+    unsigned = lock_key(app.runner_locks.namespace, runner_id) & (2**64 - 1)
     with psycopg.connect(schema.server.conninfo(), autocommit=True) as conn:
         row = conn.execute(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+            "AND classid = %s AND objid = %s AND objsubid = 1",
+            (unsigned >> 32, unsigned & (2**32 - 1)),
         ).fetchone()
     assert row is not None
     return int(row[0])
@@ -62,7 +68,7 @@ def _race(
         monkeypatch.setattr(a, "save_in_order", save)  # once
         thread.start()
         deadline = time.monotonic() + WAIT
-        while thread.is_alive() and not _advisory_waiters(schema):
+        while thread.is_alive() and not _advisory_waiters(schema, a, "hot"):
             assert time.monotonic() < deadline, "B neither finished nor waited for A's locks"
             time.sleep(0.01)
         save(events, aggregates)
@@ -110,3 +116,77 @@ def test_lock_keys_differ_by_store_and_runner() -> None:
     keys = {lock_key(ns, r) for ns in ("a.events", "b.events") for r in ("r1", "r2")}
     assert len(keys) == 4
     assert all(-(2**63) <= key < 2**63 for key in keys)
+
+
+def test_two_batches_of_one_process_never_starve_its_connection_pool(
+    postgres_schema: PostgresSchema, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch holding runner locks needs a store connection to load and save; the locks
+    live on connections of their own, so a rival batch of the same process waiting for
+    them holds none of the store's (a pool of 2: with the locks on a store connection,
+    each held one and waited for another until the pool gave up)."""
+    env = {
+        **postgres_schema.env(),
+        "POSTGRES_POOL_SIZE": "2",
+        "POSTGRES_MAX_OVERFLOW": "0",
+        "SECONDBOX_BATCHING": "off",
+        "SECONDBOX_READ_MODELS": "off",
+    }
+    app = SchedulerApplication(env=env, now=clock)
+    try:
+        register(app, "hot", at=clock(), allocatable=capacity(instances=4))
+        create_sandbox(app, "s1")
+        create_sandbox(app, "s2")
+        outcomes: dict[str, Any] = {}
+
+        def place(sandbox_id: str) -> None:
+            try:
+                outcomes[sandbox_id] = app.schedule(schedule_request(sandbox_id, clock()))
+            except SchedulerError as error:
+                outcomes[sandbox_id] = error
+
+        rival = threading.Thread(target=place, args=("s2",))
+        decide = PlacementBatch._decide
+
+        def first_waits_for_the_rival(self: PlacementBatch, *args: Any) -> Any:
+            if not rival.is_alive() and "s2" not in outcomes:
+                rival.start()
+                deadline = time.monotonic() + WAIT
+                while rival.is_alive() and not _advisory_waiters(postgres_schema, app, "hot"):
+                    assert time.monotonic() < deadline, "the rival never waited for the lock"
+                    time.sleep(0.01)
+            return decide(self, *args)
+
+        monkeypatch.setattr(PlacementBatch, "_decide", first_waits_for_the_rival)
+        place("s1")
+        rival.join(WAIT)
+        assert isinstance(outcomes["s1"], tuple), outcomes
+        assert isinstance(outcomes["s2"], tuple), outcomes
+        assert app.get_runner("hot").reserved.instances == 2
+    finally:
+        app.close()
+
+
+def test_a_lock_not_granted_in_time_leaves_none_of_the_batch_held(
+    postgres_schema: PostgresSchema, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The locks are taken in key order; when one is refused after LOCK_WAIT_MS, those
+    taken before it are released before the batch goes on without them."""
+    app = SchedulerApplication(env=postgres_schema.env())
+    try:
+        locks = app.runner_locks
+        first, last = sorted(("r-a", "r-b"), key=lambda r: lock_key(locks.namespace, r))
+        monkeypatch.setattr(runner_locks, "LOCK_WAIT_MS", 50)
+        with psycopg.connect(postgres_schema.server.conninfo(), autocommit=True) as rival:
+            rival.execute("SELECT pg_advisory_lock(%s)", (lock_key(locks.namespace, last),))
+            with locks.hold([first, last]) as held:
+                assert held is False
+                row = rival.execute(
+                    "SELECT pg_try_advisory_lock(%s)", (lock_key(locks.namespace, first),)
+                ).fetchone()
+                assert row == (True,)  # the batch's session kept nothing
+            rival.execute("SELECT pg_advisory_unlock_all()")
+        with locks.hold([first, last]) as held:  # and the locks work again
+            assert held is True
+    finally:
+        app.close()
