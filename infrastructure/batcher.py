@@ -81,15 +81,13 @@ class PlacementBatcher:
         return outcome
 
     def _lead(self) -> None:
-        if self.wait > 0:
-            deadline = time.monotonic() + self.wait
-            while len(self._queue) < self.size and time.monotonic() < deadline:
-                time.sleep(self.wait / 10)
-        elif self._last_size > 1:
-            wanted = min(self.size, self._last_size)
-            deadline = time.monotonic() + REGROUP_WAIT
-            while len(self._queue) < wanted and time.monotonic() < deadline:
-                time.sleep(REGROUP_WAIT / 10)
+        if self.wait > 0:  # the configured wait, for a full batch
+            wanted, wait = self.size, self.wait
+        else:  # the regroup wait, for as many as the previous batch held
+            wanted, wait = min(self.size, self._last_size), REGROUP_WAIT
+        deadline = time.monotonic() + wait
+        while len(self._queue) < wanted and time.monotonic() < deadline:
+            time.sleep(wait / 10)
         with self._lock:
             batch = [self._queue.popleft() for _ in range(min(self.size, len(self._queue)))]
             self._last_size = len(batch)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from contextlib import ExitStack, suppress
-from functools import lru_cache
 from typing import Any
 from uuid import UUID
 
@@ -29,6 +28,7 @@ from psycopg.rows import tuple_row
 from psycopg.sql import SQL, Composed, Identifier
 
 from secondbox_scheduler.infrastructure.event_chain import SealedSnapshots
+from secondbox_scheduler.projections.event_log import rendered
 
 
 class _fast_forward_lock:
@@ -63,9 +63,7 @@ def select_after_statement(schema: str, events_table: str) -> Composed:
     ).format(Identifier(schema), Identifier(events_table))
 
 
-@lru_cache(maxsize=64)
-def _select_after(schema: str, events_table: str) -> bytes:
-    return select_after_statement(schema, events_table).as_bytes(None)
+_select_after = rendered(select_after_statement)
 
 
 def _select_events_after(

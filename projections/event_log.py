@@ -7,7 +7,7 @@ position can run ahead of the number of stored events.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from uuid import UUID
 
@@ -71,9 +71,13 @@ def last_versions_statement(schema: str, events_table: str) -> Composed:
     ).format(Identifier(schema), Identifier(events_table))
 
 
-@lru_cache(maxsize=64)
-def _last_versions(schema: str, events_table: str) -> bytes:
-    return last_versions_statement(schema, events_table).as_bytes(None)
+def rendered(build: Callable[[str, str], Composed]) -> Callable[[str, str], bytes]:
+    """``build(schema, events_table)`` rendered to bytes once per store: psycopg renders
+    a ``Composed`` again at every execute (0.1 to 0.2 ms in a placement's profile)."""
+    return lru_cache(maxsize=64)(lambda schema, table: build(schema, table).as_bytes(None))
+
+
+_last_versions = rendered(last_versions_statement)
 
 
 def last_versions(recorder: ApplicationRecorder, stream_ids: Sequence[UUID]) -> dict[UUID, int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -42,80 +43,93 @@ def _advisory_waiters(schema: PostgresSchema, app: SchedulerApplication, runner_
     return int(row[0])
 
 
+def _until_waiting(schema: PostgresSchema, app: SchedulerApplication, thread: Any) -> None:
+    """Until ``thread`` has finished or waits for the hot runner's lock of ``app``."""
+    deadline = time.monotonic() + WAIT
+    while thread.is_alive() and not _advisory_waiters(schema, app, "hot"):
+        assert time.monotonic() < deadline, "neither finished nor waited for the lock"
+        time.sleep(0.01)
+
+
+@dataclass
+class Race:
+    mine: Any  # A's answer
+    theirs: Any  # B's answer
+    reserved: int  # instances reserved on the hot runner at the end
+    retries: int  # A's lost races retried, and past the budget
+    errors: int
+    audit_ok: bool
+
+
 def _race(
     schema: PostgresSchema, clock: Clock, monkeypatch: pytest.MonkeyPatch, locks: str
-) -> tuple[Any, Any, SchedulerApplication]:
+) -> Race:
     """A decides; B places on the same runner before A's save; then A saves."""
     env = {**schema.env(), "SECONDBOX_RUNNER_LOCKS": locks}
     a, b = (SchedulerApplication(env=dict(env), now=clock) for _ in range(2))
-    register(a, "hot", at=clock(), allocatable=capacity(instances=4))
-    create_sandbox(a, "s1")
-    create_sandbox(a, "s2")
-    rival: dict[str, Any] = {}
-
-    def place_b() -> None:
-        try:
-            rival["outcome"] = b.schedule(
-                schedule_request("s2", clock(), serialization_retry_limit=0)
-            )
-        except SchedulerError as error:
-            rival["outcome"] = error
-
-    thread = threading.Thread(target=place_b)
-    save = a.save_in_order
-
-    def b_first(events: Sequence[Any], aggregates: Sequence[Any] = ()) -> None:
-        monkeypatch.setattr(a, "save_in_order", save)  # once
-        thread.start()
-        deadline = time.monotonic() + WAIT
-        while thread.is_alive() and not _advisory_waiters(schema, a, "hot"):
-            assert time.monotonic() < deadline, "B neither finished nor waited for A's locks"
-            time.sleep(0.01)
-        save(events, aggregates)
-
-    monkeypatch.setattr(a, "save_in_order", b_first)
     try:
-        mine: Any = a.schedule(schedule_request("s1", clock(), serialization_retry_limit=0))
-    except SchedulerError as error:
-        mine = error
-    thread.join(WAIT)
-    b.close()
-    return mine, rival["outcome"], a
+        register(a, "hot", at=clock(), allocatable=capacity(instances=4))
+        create_sandbox(a, "s1")
+        create_sandbox(a, "s2")
+        rival: dict[str, Any] = {}
+
+        def place_b() -> None:
+            try:
+                rival["outcome"] = b.schedule(
+                    schedule_request("s2", clock(), serialization_retry_limit=0)
+                )
+            except SchedulerError as error:
+                rival["outcome"] = error
+
+        thread = threading.Thread(target=place_b)
+        save = a.save_in_order
+
+        def b_first(events: Sequence[Any], aggregates: Sequence[Any] = ()) -> None:
+            monkeypatch.setattr(a, "save_in_order", save)  # once
+            thread.start()
+            _until_waiting(schema, a, thread)
+            save(events, aggregates)
+
+        monkeypatch.setattr(a, "save_in_order", b_first)
+        try:
+            mine: Any = a.schedule(schedule_request("s1", clock(), serialization_retry_limit=0))
+        except SchedulerError as error:
+            mine = error
+        thread.join(WAIT)
+        return Race(
+            mine,
+            rival["outcome"],
+            a.get_runner("hot").reserved.instances,
+            a.metrics.contention_retries,
+            a.metrics.contention_errors,
+            verify(a, measure_raw=False).ok,
+        )
+    finally:
+        a.close()
+        b.close()
 
 
 def test_a_rival_replica_waits_for_the_runner_and_decides_after_the_commit(
     postgres_schema: PostgresSchema, clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    mine, theirs, a = _race(postgres_schema, clock, monkeypatch, "on")
-    try:
-        assert isinstance(mine, tuple), mine
-        assert mine[1]
-        assert isinstance(theirs, tuple), theirs
-        assert theirs[1]
-        assert a.get_runner("hot").reserved.instances == 2
-        assert a.metrics.contention_retries == a.metrics.contention_errors == 0
-        assert verify(a, measure_raw=False).ok
-    finally:
-        a.close()
+    race = _race(postgres_schema, clock, monkeypatch, "on")
+    assert isinstance(race.mine, tuple), race
+    assert race.mine[1]
+    assert isinstance(race.theirs, tuple), race
+    assert race.theirs[1]
+    assert race.reserved == 2
+    assert race.retries == race.errors == 0
+    assert race.audit_ok
 
 
 def test_without_the_locks_the_same_interleaving_is_a_lost_race(
     postgres_schema: PostgresSchema, clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    mine, theirs, a = _race(postgres_schema, clock, monkeypatch, "off")
-    try:
-        assert isinstance(theirs, tuple), theirs
-        assert theirs[1]
-        assert isinstance(mine, SerializationContentionError), mine
-        assert a.get_runner("hot").reserved.instances == 1
-    finally:
-        a.close()
-
-
-def test_lock_keys_differ_by_store_and_runner() -> None:
-    keys = {lock_key(ns, r) for ns in ("a.events", "b.events") for r in ("r1", "r2")}
-    assert len(keys) == 4
-    assert all(-(2**63) <= key < 2**63 for key in keys)
+    race = _race(postgres_schema, clock, monkeypatch, "off")
+    assert isinstance(race.theirs, tuple), race
+    assert race.theirs[1]
+    assert isinstance(race.mine, SerializationContentionError), race
+    assert race.reserved == 1
 
 
 def test_two_batches_of_one_process_never_starve_its_connection_pool(
@@ -151,10 +165,7 @@ def test_two_batches_of_one_process_never_starve_its_connection_pool(
         def first_waits_for_the_rival(self: PlacementBatch, *args: Any) -> Any:
             if not rival.is_alive() and "s2" not in outcomes:
                 rival.start()
-                deadline = time.monotonic() + WAIT
-                while rival.is_alive() and not _advisory_waiters(postgres_schema, app, "hot"):
-                    assert time.monotonic() < deadline, "the rival never waited for the lock"
-                    time.sleep(0.01)
+                _until_waiting(postgres_schema, app, rival)
             return decide(self, *args)
 
         monkeypatch.setattr(PlacementBatch, "_decide", first_waits_for_the_rival)

@@ -4,7 +4,7 @@ durations of a full or ``--quick`` run, and where it reports progress."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 SECTIONS = (
@@ -82,15 +82,9 @@ class BenchSettings:
                 workers=workers, runners=runners or 1000, seed=seed, sections=sections, chain=chain
             )
         if callers is not None:
-            base = cls(**{**asdict(base), "callers": callers})
+            base = replace(base, callers=callers)
         if seconds is not None:
-            base = cls(
-                **{
-                    **asdict(base),
-                    "raw_seconds": seconds,
-                    "placement_seconds": seconds,
-                }
-            )
+            base = replace(base, raw_seconds=seconds, placement_seconds=seconds)
         return base
 
     def to_dict(self) -> dict[str, Any]:
