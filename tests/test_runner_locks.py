@@ -201,3 +201,9 @@ def test_a_lock_not_granted_in_time_leaves_none_of_the_batch_held(
             assert held is True
     finally:
         app.close()
+
+
+def test_lock_keys_differ_by_store_and_runner() -> None:
+    keys = {lock_key(ns, r) for ns in ("a.events", "b.events") for r in ("r1", "r2")}
+    assert len(keys) == 4
+    assert all(-(2**63) <= key < 2**63 for key in keys)
