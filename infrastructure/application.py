@@ -21,7 +21,7 @@ from uuid import UUID
 
 from eventsourcing.application import AggregateNotFoundError, Application, ProcessingEvent
 from eventsourcing.domain import Snapshot
-from eventsourcing.persistence import ApplicationRecorder, EventStore, IntegrityError
+from eventsourcing.persistence import ApplicationRecorder, EventStore, IntegrityError, Mapper
 from eventsourcing.postgres import PostgresDatastore
 from eventsourcing.sqlite import SQLiteDatastore
 from eventsourcing.utils import EnvType, strtobool
@@ -70,6 +70,7 @@ from secondbox_scheduler.infrastructure.event_chain import (
     SealedSnapshots,
     SealedSQLiteSnapshots,
 )
+from secondbox_scheduler.infrastructure.event_encoding import EventMapper
 from secondbox_scheduler.infrastructure.metrics import (
     MetricsSink,
     PrometheusMetrics,
@@ -338,6 +339,14 @@ class SchedulerApplication(Application[UUID]):
         """The chain of the stored events (keyed with ``SECONDBOX_AUDIT_KEY`` if set)."""
         key = self.env.get(AUDIT_KEY) or ""
         return Chain(key.encode() or None)
+
+    def construct_mapper(self) -> Mapper[UUID]:
+        """The domain's events encoded with orjson (:mod:`.event_encoding`), unless the
+        environment names another mapper (``MAPPER_TOPIC``)."""
+        mapper_class = None if self.env.get(self.factory.MAPPER_TOPIC) else EventMapper
+        return self.factory.mapper(
+            transcoder=self.construct_transcoder(), mapper_class=mapper_class
+        )
 
     def construct_recorder(self) -> ApplicationRecorder:
         recorder = super().construct_recorder()

@@ -104,7 +104,7 @@ def main() -> None:
         "machine_cpu_ms_per_placement": round(1000 * machine / placed, 3),
     }))  # fmt: skip
     if profiler:
-        pstats.Stats(profiler).sort_stats(args.sort).print_stats(25)
+        pstats.Stats(profiler).sort_stats(args.sort).print_stats(int(__import__("os").environ.get("TOPN", "25")))
 
 
 def _threaded(
