@@ -1,7 +1,7 @@
 """CPU cost of the batched placement path in one process, for before/after comparisons.
 
     .venv/bin/python scripts/profile_batch.py [--batch 32] [--placements 3200] [--profile]
-        [--threads N] [--runners 200] [--extra N] [--sort tottime]
+        [--threads N] [--runners 200] [--extra N] [--sort tottime] [--top 25]
 
 Registers 200 roomy runners (``--runners``), loads them into the aggregate cache as a
 long-running replica has them, and creates the sandboxes (untimed; ``--extra`` more that
@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--placements", type=int, default=3200)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--sort", default="cumulative", help="cProfile order: cumulative, tottime")
+    parser.add_argument("--top", type=int, default=25, help="functions printed with --profile")
     parser.add_argument(
         "--threads",
         type=int,
@@ -104,7 +105,7 @@ def main() -> None:
         "machine_cpu_ms_per_placement": round(1000 * machine / placed, 3),
     }))  # fmt: skip
     if profiler:
-        pstats.Stats(profiler).sort_stats(args.sort).print_stats(int(__import__("os").environ.get("TOPN", "25")))
+        pstats.Stats(profiler).sort_stats(args.sort).print_stats(args.top)
 
 
 def _threaded(
