@@ -382,8 +382,8 @@ def require_aware(field: str, value: object) -> datetime:
 def require_text(field: str, value: object) -> str:
     """Refuse a non-string, empty or unprintable identifier, or one past the length
     limit, naming the field."""
-    if not isinstance(value, str):
-        raise InvalidRequestError(field, "must be a string", value)
+    if type(value) is not str:  # a subclass (an Enum member) could be stored otherwise
+        raise InvalidRequestError(field, "must be a string (str itself, not a subclass)", value)
     if not value:
         raise InvalidRequestError(field, "must not be empty")
     problem = text_problem(value, max_length=MAX_NAME_LENGTH, name=True)
@@ -402,7 +402,7 @@ def require_string_map(
 ) -> dict[str, str]:
     """A mapping of non-empty names to text, within the entry and length limits."""
     if not isinstance(value, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+        type(k) is str and type(v) is str for k, v in value.items()
     ):
         raise InvalidRequestError(field, "must be a mapping of str to str", value)
     if non_empty and not value:

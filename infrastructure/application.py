@@ -1084,7 +1084,7 @@ def _require_timeout(value: object) -> None:
 
 def _require_generation(sandbox_id: object, generation: object) -> None:
     require_text("sandbox_id", sandbox_id)
-    if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
+    if type(generation) is not int or generation < 1:  # not bool, not an IntEnum member
         raise InvalidRequestError("generation", "must be an integer of at least 1", generation)
 
 

@@ -7,15 +7,17 @@ the scheduler's CPU (three events per placement, the fence's state about 3 KB).
 (``secondbox_scheduler.domain``), and the snapshots of those aggregates, with orjson,
 datetimes still through the transcoder's hook (``{"_type_": "datetime_iso", ...}``, as
 the library writes them), so the stored state parses to the same JSON value and
-decodes to the same event; it may differ in spelling only (a float ``1e16`` is
-``1e+16`` for ``json``). Anything else goes to the library's mapper, unchanged: other
+decodes to the same event; it may differ in spelling only (a small float: ``1e-06``
+for ``json``, ``1e-6`` for orjson). Anything else goes to the library's mapper, unchanged: other
 modules' events and snapshots, another transcoder, and any state orjson refuses (an
 integer beyond 64 bits, a key that is not a string, a type no transcoding knows:
 ``json`` then encodes it or raises the library's own error).
 
 What orjson would write differently and never raises on, a ``UUID``, ``date``,
 ``time``, ``Enum``, or a non-finite float inside a domain event's or aggregate's state,
-is kept out by the domain itself: its records hold strings, integers, booleans, lists,
+is kept out by the domain itself (identifiers and generations must be ``str`` and
+``int`` themselves, not subclasses such as an ``Enum``'s members, and pydantic turns
+its fields into them): its records hold strings, integers, booleans, lists,
 dicts, datetimes and finite floats (``timedelta.total_seconds()``); a snapshot's state
 leaves the aggregate's ``UUID`` out (the library stores it as the stream id). The test
 suite holds it to that: with :attr:`EventMapper.check` on (``tests/conftest.py`` turns it on) every
@@ -122,8 +124,14 @@ class EventMapper(Mapper[UUID]):
         return topic
 
 
+def _canonical(stored: bytes) -> str:
+    """The JSON value written again one way: equal for equal values, and unlike Python's
+    ``==``, different for ``true`` and ``1``, ``1`` and ``1.0``, ``null`` and ``NaN``."""
+    return json.dumps(json.loads(stored), separators=(",", ":"), ensure_ascii=False)
+
+
 def _compare(topic: str, fast: bytes, usual: bytes) -> None:
-    if fast != usual and json.loads(fast) != json.loads(usual):
+    if fast != usual and _canonical(fast) != _canonical(usual):
         raise EncodingMismatchError(
             f"{topic}: orjson wrote {fast[:200]!r}, json wrote {usual[:200]!r}"
         )

@@ -17,7 +17,11 @@ from eventsourcing.persistence import Mapper, TranscodingNotRegisteredError
 
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.event_encoding import EncodingMismatchError, EventMapper
+from secondbox_scheduler.infrastructure.event_encoding import (
+    EncodingMismatchError,
+    EventMapper,
+    _compare,
+)
 from secondbox_scheduler.infrastructure.simulation import SimulationConfig, run_simulation
 from secondbox_scheduler.projections.notification_reader import read_pages
 
@@ -142,3 +146,14 @@ def test_snapshots_are_stored_as_the_library_stores_them_and_foreign_events_by_i
     assert json.loads(stored.state)["ref"]["_type_"] == "uuid_hex"
     decoded: Any = simulated.mapper.to_domain_event(stored)
     assert decoded.ref == vars(created)["ref"]
+
+
+@pytest.mark.parametrize(
+    ("fast", "usual"),
+    [(b'{"a":true}', b'{"a":1}'), (b'{"a":1}', b'{"a":1.0}'), (b'{"a":null}', b'{"a":NaN}')],
+)
+def test_the_check_tells_values_python_calls_equal(fast: bytes, usual: bytes) -> None:
+    """``True == 1 == 1.0`` in Python; the stored JSON must not change them into another."""
+    with pytest.raises(EncodingMismatchError):
+        _compare("t", fast, usual)
+    _compare("t", b'{"a":1e-6}', b'{"a":1e-06}')  # spelling only: the same value

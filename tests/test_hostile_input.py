@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from enum import Enum
 from typing import Any
 
 import pytest
@@ -172,3 +173,41 @@ def test_hostile_commands_change_nothing(
     with pytest.raises(SchedulerError):
         calls[command]()
     assert snapshot(app) == before
+
+
+class _Owner(str, Enum):  # noqa: UP042 (a str-mixin Enum, as embedders write them)
+    """A str whose Enum value is not its text: json writes "ops", orjson "OPS"."""
+
+    OPS = "ops"
+
+    def __new__(cls, text: str) -> _Owner:
+        member = str.__new__(cls, text)
+        member._value_ = text.upper()
+        return member
+
+
+class _One(int, Enum):
+    """An int whose Enum value is True: json writes 1, orjson true."""
+
+    YES = 1
+
+    def __new__(cls, number: int) -> _One:
+        member = int.__new__(cls, number)
+        member._value_ = bool(number)
+        return member
+
+
+def test_enum_members_are_refused_as_ids_and_generations(seeded: SchedulerApplication) -> None:
+    """An Enum member would be stored by its value, not its text (the domain's events are
+    encoded with orjson): refused at the boundary, naming the field; nothing written."""
+    before = snapshot(seeded)
+    with pytest.raises(InvalidRequestError) as owner:
+        seeded.claim_reconcile("s1", 1, _Owner.OPS, T0 + timedelta(minutes=5))
+    assert owner.value.field == "owner"
+    with pytest.raises(InvalidRequestError) as generation:
+        seeded.mark_running("s1", _One.YES, token())
+    assert generation.value.field == "generation"
+    with pytest.raises(InvalidRequestError) as proof:
+        seeded.release("s1", 1, token(), {"proof": _Owner.OPS})
+    assert proof.value.field == "release_proof"
+    assert snapshot(seeded) == before
