@@ -28,6 +28,8 @@ orjson encoding is compared with ``json``'s and a difference raises
 from __future__ import annotations
 
 import json
+from datetime import datetime
+from decimal import Decimal
 from typing import Any, ClassVar
 from uuid import UUID
 
@@ -72,6 +74,8 @@ class EventMapper(Mapper[UUID]):
             isinstance(transcoder, JSONTranscoder)
             and type(transcoder).encode is JSONTranscoder.encode
             and type(transcoder)._encode_obj is JSONTranscoder._encode_obj
+            # a transcoding for a type orjson writes itself (an Enum, say) would be bypassed
+            and set(transcoder.types) <= {UUID, Decimal, datetime}
         )
         self._topics: dict[type[Any], str | None] = {}  # event class: topic, or None
         self._snapshots: set[type[Any]] = set()  # snapshot classes (of any aggregate)

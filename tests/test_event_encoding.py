@@ -157,3 +157,33 @@ def test_the_check_tells_values_python_calls_equal(fast: bytes, usual: bytes) ->
     with pytest.raises(EncodingMismatchError):
         _compare("t", fast, usual)
     _compare("t", b'{"a":1e-6}', b'{"a":1e-06}')  # spelling only: the same value
+
+
+def test_a_transcoder_with_more_transcodings_keeps_the_library_path(
+    simulated: SchedulerApplication,
+) -> None:
+    """A transcoding registered for a type orjson would write itself must not be bypassed."""
+    from enum import Enum
+
+    from eventsourcing.persistence import JSONTranscoder, Transcoding
+
+    class Colour(Enum):
+        RED = 1
+
+    class ColourAsName(Transcoding):
+        type = Colour
+        name = "colour"
+
+        def encode(self, obj: Colour) -> str:
+            return obj.name
+
+        def decode(self, data: str) -> Colour:
+            return Colour[data]
+
+    transcoder = JSONTranscoder()
+    simulated.register_transcodings(transcoder)
+    transcoder.register(ColourAsName())
+    mapper = EventMapper(transcoder)
+    changed = _with_placement(_fenced_event(simulated), attempt=Colour.RED)
+    stored = mapper.to_stored_event(changed)
+    assert json.loads(stored.state)["placement"]["attempt"] == {"_type_": "colour", "_data_": "RED"}
