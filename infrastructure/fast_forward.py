@@ -95,14 +95,22 @@ def _select_events_after(
     return [StoredEvent(UUID(row[0]), row[1], row[2], row[3]) for row in rows]
 
 
-def load_many(app: Application[UUID], aggregate_ids: Sequence[UUID]) -> dict[UUID, Any]:
+def load_many(
+    app: Application[UUID], aggregate_ids: Sequence[UUID], *, cache_new: bool = True
+) -> dict[UUID, Any]:
     """Deep copies of many aggregates, each up to date, with at most two queries for all:
     the cached ones fast-forwarded (the events after each cached version) and the others
     read from their latest snapshot and the events after it, then cached as the
     repository caches them. An aggregate that does not exist is absent. A placement
     batch reads its sandboxes, then their runners and leases, this way: two round trips
     however many requests it holds. Without such queries (the in-memory store), one
-    ``repository.get`` each."""
+    ``repository.get`` each.
+
+    ``cache_new=False``: the aggregates not in the cache yet are returned as read and
+    not cached (no copy needed). A batch reads its sandboxes so: each is placed once and
+    its cached copy would be stale at the next commit, while 10,000 cached sandboxes
+    would be most of the objects the garbage collector walks (docs/performance.md,
+    "Tail latency")."""
     repository, recorder = app.repository, app.recorder
     ids = sorted(set(aggregate_ids), key=lambda u: u.bytes)
     cache = repository.cache
@@ -118,7 +126,7 @@ def load_many(app: Application[UUID], aggregate_ids: Sequence[UUID]) -> dict[UUI
     ):
         return _load_each(app, ids)
     try:
-        return _load_together(app, ids)
+        return _load_together(app, ids, cache_new)
     except _Unsupported:
         return _load_each(app, ids)
 
@@ -127,14 +135,16 @@ class _Unsupported(Exception):
     """The aggregates cannot be brought up to date in place: load them one by one."""
 
 
-def _load_together(app: Application[UUID], ids: list[UUID]) -> dict[UUID, Any]:
+def _load_together(app: Application[UUID], ids: list[UUID], cache_new: bool) -> dict[UUID, Any]:
     repository, recorder, snapshots = app.repository, app.recorder, app.snapshots
     cache = repository.cache
     assert cache is not None
     assert snapshots is not None
     assert isinstance(recorder, PostgresAggregateRecorder | SQLiteAggregateRecorder)
     assert isinstance(snapshots.recorder, PostgresAggregateRecorder | SQLiteAggregateRecorder)
-    found: dict[UUID, Any] = {}
+    found: dict[UUID, Any] = {}  # cached instances: returned as copies
+    fresh: dict[UUID, Any] = {}  # read now and not cached: returned as they are
+    keep = found if cache_new else fresh
     with ExitStack() as stack:
         for aggregate_id in ids:  # in one order, as every batch takes them: no deadlock
             stack.enter_context(_fast_forward_lock(repository, aggregate_id))
@@ -183,8 +193,7 @@ def _load_together(app: Application[UUID], ids: list[UUID]) -> dict[UUID, Any]:
                 rebuilt[stream] = domain_event.mutate(rebuilt.get(stream))
             for aggregate_id, aggregate in rebuilt.items():
                 if aggregate is not None:
-                    cache.put(aggregate_id, aggregate)
-                    found[aggregate_id] = aggregate
+                    keep[aggregate_id] = aggregate
             missing = []
         if missing:
             loaded: dict[UUID, Any] = {}
@@ -194,9 +203,12 @@ def _load_together(app: Application[UUID], ids: list[UUID]) -> dict[UUID, Any]:
                 loaded[stream] = domain_event.mutate(loaded.get(stream))
             for aggregate_id, aggregate in loaded.items():
                 if aggregate is not None:
-                    cache.put(aggregate_id, aggregate)
-                    found[aggregate_id] = aggregate
-        return {aggregate_id: copy.deepcopy(aggregate) for aggregate_id, aggregate in found.items()}
+                    keep[aggregate_id] = aggregate
+        for aggregate_id, aggregate in found.items():
+            if aggregate_id not in cached:
+                cache.put(aggregate_id, aggregate)
+        copies = {aggregate_id: copy.deepcopy(found[aggregate_id]) for aggregate_id in found}
+        return {**fresh, **copies}
 
 
 def _load_each(app: Application[UUID], ids: Sequence[UUID]) -> dict[UUID, Any]:

@@ -144,7 +144,8 @@ class PlacementBatch:
         return decisions
 
     def _sandboxes(self, sandbox_ids: set[str]) -> dict[str, Sandbox | None]:
-        loaded = load_many(self.app, [sandbox_uuid(s) for s in sandbox_ids])
+        # not cached: each is placed once, and a cached copy would be stale at the commit
+        loaded = load_many(self.app, [sandbox_uuid(s) for s in sandbox_ids], cache_new=False)
         found = {s: loaded.get(sandbox_uuid(s)) for s in sandbox_ids}
         return {
             s: sandbox if isinstance(sandbox, Sandbox) else None for s, sandbox in found.items()

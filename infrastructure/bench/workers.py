@@ -49,6 +49,7 @@ from secondbox_scheduler.infrastructure.bench.fleet import (
     schedule_request,
 )
 from secondbox_scheduler.infrastructure.bench.timing import percentile
+from secondbox_scheduler.infrastructure.gc_tuning import tune_gc
 from secondbox_scheduler.infrastructure.settings import DATABASE_URL, settings_from_url
 
 PAYLOAD = "x" * 256  # the raw event's payload: a small event, as a placement's are a few KB
@@ -348,7 +349,9 @@ def worker_main(
     results: multiprocessing.Queue[tuple[int, WorkerResult | str]],
     barrier: Barrier,
 ) -> None:
-    """Entry point of one worker process: run jobs until ``None`` arrives."""
+    """Entry point of one worker process: run jobs until ``None`` arrives (its garbage
+    collector tuned as the scheduler's processes are, for every kind of job)."""
+    tune_gc()
     state = _WorkerState()
     try:
         while (job := inbox.get()) is not None:

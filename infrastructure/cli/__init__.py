@@ -20,6 +20,7 @@ import sys
 
 import typer
 
+from secondbox_scheduler.domain.errors import SchedulerError
 from secondbox_scheduler.infrastructure.cli import (
     audit,
     bench,
@@ -32,6 +33,7 @@ from secondbox_scheduler.infrastructure.cli import (
     simulate,
 )
 from secondbox_scheduler.infrastructure.cli.common import EXIT_REFUSED, say_error, shown
+from secondbox_scheduler.infrastructure.gc_tuning import tune_gc
 
 __all__ = ["cli", "main"]
 
@@ -66,7 +68,13 @@ def main() -> None:
     """Console-script entry point (``secondbox-scheduler``). Whatever goes wrong, the
     answer is one line on stderr, never a traceback (``SECONDBOX_DEBUG=1`` shows it):
     an expected failure is reported by the command itself (exit 2); anything else is a
-    fault of ours, said as such (exit 2 too)."""
+    fault of ours, said as such (exit 2 too). The process's garbage collector is tuned
+    first (:mod:`~secondbox_scheduler.infrastructure.gc_tuning`)."""
+    try:
+        tune_gc()
+    except SchedulerError as error:  # a bad SECONDBOX_GC_THRESHOLD
+        say_error(shown(str(error)))
+        sys.exit(EXIT_REFUSED)
     try:
         cli()
     except KeyboardInterrupt:

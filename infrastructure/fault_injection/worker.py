@@ -39,6 +39,7 @@ from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.fault_injection.adversary import Adversary
 from secondbox_scheduler.infrastructure.fault_injection.fleet import HEARTBEAT_TIMEOUT, requirements
 from secondbox_scheduler.infrastructure.fault_injection.probes import guard_probes
+from secondbox_scheduler.infrastructure.gc_tuning import tune_gc
 from secondbox_scheduler.infrastructure.reconciler import Reconciler
 
 PROOF = {"verified-by": "secondbox-verify"}
@@ -274,6 +275,7 @@ class Worker:
 
 
 def main() -> None:
+    tune_gc()  # as every process of the scheduler (infrastructure/gc_tuning.py)
     config = json.loads(sys.stdin.readline())  # not argv: it holds the database URL
     path = Path(config["journal"])
     previous = (
