@@ -157,6 +157,7 @@ class SchedulerMetrics:
     refusals_recorded: int = 0
     contention_retries: int = 0
     contention_errors: int = 0
+    placements_deferred: int = 0  # to the next batch: another replica held the runner
     heartbeats: dict[str, int] = field(default_factory=dict)
     batch_sizes: dict[int, int] = field(default_factory=dict)  # placement batches by size
     refusals: dict[tuple[str, str], int] = field(default_factory=dict)  # (operation, error)
@@ -266,7 +267,7 @@ class SchedulerApplication(Application[UUID]):
             self.batcher: PlacementBatcher | None = None
             if strtobool(self.env.get(BATCHING) or "on"):
                 self.batcher = PlacementBatcher(
-                    self._place,
+                    PlacementBatch(self).run_deferring,
                     size=int(
                         batch_setting(self.env.get(BATCH_SIZE), DEFAULT_BATCH_SIZE, BATCH_SIZE)
                     ),

@@ -7,7 +7,9 @@ it, and hands the lead to the first caller still queued. A lone call leads at on
 waits for nobody (the default longest wait is 0): batches form by themselves while a
 commit is in flight, as a database's group commit does; under load, a leader whose
 previous batch held several requests waits at most ``REGROUP_WAIT`` (1 ms) for as many
-callers to queue again. Settings:
+callers to queue again. A call the batch handed back (its home runner was held by another
+replica's batch, :mod:`.runner_locks`) is queued again before every later call, and its
+next batch waits for the runner. Settings:
 ``SECONDBOX_BATCH_SIZE`` (default 64) and ``SECONDBOX_BATCH_WAIT_MS`` (default 0).
 """
 
@@ -36,13 +38,14 @@ REGROUP_WAIT = 0.001
 class _Slot:
     """One queued call: its request, then its answer or the lead."""
 
-    __slots__ = ("done", "lead", "outcome", "request", "wake")
+    __slots__ = ("deferred", "done", "lead", "outcome", "request", "wake")
 
     def __init__(self, request: ScheduleRequest) -> None:
         self.request = request
         self.outcome: Outcome | BaseException | None = None
         self.done = False
         self.lead = False
+        self.deferred = False  # once deferred, its next batch waits for its runner
         self.wake = threading.Event()
 
 
@@ -51,7 +54,7 @@ class PlacementBatcher:
 
     def __init__(
         self,
-        run: Callable[[Sequence[ScheduleRequest]], list[Outcome]],
+        run: Callable[[Sequence[ScheduleRequest], Sequence[bool]], list[Outcome | None]],
         *,
         size: int = DEFAULT_BATCH_SIZE,
         wait: float = DEFAULT_BATCH_WAIT,
@@ -70,10 +73,12 @@ class PlacementBatcher:
             self._queue.append(slot)
             if not self._busy:
                 self._busy = slot.lead = True
-        if not slot.lead:
-            slot.wake.wait()
-        if not slot.done:  # this caller leads the next batch (its own is in it)
-            self._lead()
+        while True:
+            if not slot.lead:
+                slot.wake.wait()
+            if slot.done:
+                break
+            self._lead()  # this caller leads the next batch (its own request is in it)
         outcome = slot.outcome
         if isinstance(outcome, BaseException):
             raise outcome
@@ -92,12 +97,21 @@ class PlacementBatcher:
             batch = [self._queue.popleft() for _ in range(min(self.size, len(self._queue)))]
             self._last_size = len(batch)
         try:
-            outcomes: Sequence[Outcome | BaseException] = self._run([s.request for s in batch])
+            outcomes: Sequence[Outcome | BaseException | None] = self._run(
+                [s.request for s in batch], [not s.deferred for s in batch]
+            )
         except BaseException as error:  # the store failed: every caller of the batch hears it
             outcomes = [error] * len(batch)
+        deferred = []
         for slot, outcome in zip(batch, outcomes, strict=True):
-            slot.outcome, slot.done = outcome, True
+            if outcome is None:  # its runner was busy: first in the next batch
+                slot.deferred, slot.lead = True, False
+                slot.wake.clear()
+                deferred.append(slot)
+            else:
+                slot.outcome, slot.done = outcome, True
         with self._lock:
+            self._queue.extendleft(reversed(deferred))
             if self._queue:
                 successor = self._queue[0]
                 successor.lead = True
@@ -105,4 +119,5 @@ class PlacementBatcher:
             else:
                 self._busy = False
         for slot in batch:
-            slot.wake.set()
+            if slot.done:
+                slot.wake.set()

@@ -21,6 +21,7 @@ Metrics (all prefixed ``secondbox_scheduler_``):
 ``refusals_recorded_total``                        refusals stored as evidence
 ``contention_retries_total``                       lost optimistic-concurrency races retried
 ``contention_errors_total``                        commands that gave up (503 over HTTP)
+``placements_deferred_total``                      to the next batch: a rival held the runner
 ``heartbeats_total{outcome}``                      renewed, evidence (recorded), coalesced, stale
 ``reconcile_actions_total{action}``                reconcile results committed
 ``command_duration_seconds{command,outcome}``      every command: ok, refused, error
@@ -84,6 +85,10 @@ COUNTED = {  # SchedulerMetrics.add names -> (metric name, help)
     "contention_errors": (
         "contention_errors",
         "Commands that lost every race of their retry budget (SerializationContentionError).",
+    ),
+    "placements_deferred": (
+        "placements_deferred",
+        "Placements moved to the next batch: another replica's batch held the home runner.",
     ),
 }
 

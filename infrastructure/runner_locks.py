@@ -13,6 +13,17 @@ second statement. Batches on disjoint runners never wait; batches on the same ru
 take turns, as a plan applier would commit them, and the second one decides against
 the first one's commit.
 
+A batch of the batcher does not wait for a runner another batch holds when only a few
+of its requests need it: it **tries** those locks (``pg_try_advisory_lock``, one
+statement for all), and the requests on a runner it did not get are deferred to the
+next batch, where they go first and wait for the lock (deferred once at most). The
+rest of the batch goes on at once: requests on different runners touch different
+streams, so the answers stay those of a serial execution. When the busy runners hold
+more than a quarter of the batch's requests (hot runners every batch needs), the batch
+releases what it got and waits for all its locks in key order instead, so that
+batches taking turns stay whole. A session only ever waits for locks in key order and
+never while holding one it took out of order: no deadlock.
+
 The locks live on connections of their own (a pool of at most ``LOCK_CONNECTIONS`` per
 application), never on the store's pool: a batch that held one of the store's
 connections while it waited for a second one to load and save would starve that pool
@@ -36,8 +47,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -52,6 +64,21 @@ LOCK_WAIT_MS = 2000  # longest wait for each rival lock before going on without
 LOCK_CONNECTIONS = 4  # lock connections per application (batches holding locks at once)
 CONNECTION_WAIT = 1.0  # seconds a batch waits for a free lock connection
 UNLOCK = "SELECT pg_advisory_unlock_all()"
+# the keys not granted at once (each key tried once, whatever the plan: every row of
+# the array is read, and the aggregate needs them all)
+TRY = (
+    "SELECT coalesce(array_agg(k), '{}') FROM unnest(%s::bigint[]) AS k "
+    "WHERE NOT pg_try_advisory_lock(k)"
+)
+
+
+@dataclass(frozen=True)
+class Held:
+    """What :meth:`RunnerLocks.hold` got: whether the batch holds its runners' locks,
+    and the runners it tried without waiting that another session holds."""
+
+    locked: bool
+    busy: frozenset[str] = frozenset()
 
 
 def lock_key(namespace: str, runner_id: str) -> int:
@@ -73,15 +100,40 @@ class RunnerLocks:
             self.namespace = f"{datastore.schema}.{self.recorder.events_table_name}"
 
     @contextmanager
-    def hold(self, runner_ids: Iterable[str]) -> Iterator[bool]:
-        """Hold the runners' locks for the block; yields whether they are held."""
-        keys = sorted({lock_key(self.namespace, r) for r in runner_ids}) if self.recorder else []
-        connection = self._connection() if keys else None
+    def hold(
+        self,
+        runner_ids: Iterable[str],
+        *,
+        wait_for: Iterable[str] | None = None,
+        worth_deferring: Callable[[frozenset[str]], bool] = lambda busy: True,
+    ) -> Iterator[Held]:
+        """Hold the runners' locks for the block. ``wait_for=None``: wait for every one
+        (up to LOCK_WAIT_MS each); otherwise wait for those runners only and try the
+        others without waiting: the ones another session holds come back as ``busy``
+        (the batch defers their requests instead of waiting), unless
+        ``worth_deferring(busy)`` says no: then every lock is released and all of them
+        taken again in key order, waiting (so no session ever waits for a lock while it
+        holds one it took out of order)."""
+        runners = set(runner_ids) if self.recorder else set()
+        connection = self._connection() if runners else None
         if connection is None:
-            yield False
+            yield Held(False)
             return
+        patient = runners if wait_for is None else runners & set(wait_for)
+        keys = {lock_key(self.namespace, runner): runner for runner in runners}
         try:
-            yield self._take(connection, keys)
+            busy = self._take(
+                connection,
+                sorted(k for k, r in keys.items() if r in patient),
+                sorted(k for k, r in keys.items() if r not in patient),
+            )
+            if busy and not worth_deferring(frozenset(keys[k] for k in busy)):
+                connection.execute(UNLOCK)
+                busy = self._take(connection, sorted(keys), [])
+            if busy is None:
+                yield Held(False)
+            else:
+                yield Held(True, frozenset(keys[k] for k in busy))
         finally:
             self._release(connection)
 
@@ -138,19 +190,26 @@ class RunnerLocks:
                 )
             return self._pool
 
-    def _take(self, connection: psycopg.Connection[Any], keys: list[int]) -> bool:
-        """Take the locks of ``keys`` in order, each within LOCK_WAIT_MS, with one
-        statement; False (and none of them held) when one is not granted in time or the
-        session fails."""
+    def _take(
+        self, connection: psycopg.Connection[Any], wait: list[int], attempt: list[int]
+    ) -> set[int] | None:
+        """Take the locks of ``wait`` in key order, each within LOCK_WAIT_MS (one
+        statement), then try those of ``attempt`` without waiting (another); the keys
+        of ``attempt`` another session holds, or None (and none of them held) when a
+        lock of ``wait`` is not granted in time or the session fails."""
         take = SQL(
             "DO $$ DECLARE k bigint; BEGIN "
             "PERFORM set_config('lock_timeout', {wait}, true); "
             "FOREACH k IN ARRAY {keys}::bigint[] LOOP PERFORM pg_advisory_lock(k); "
             "END LOOP; END $$"
-        ).format(wait=Literal(f"{LOCK_WAIT_MS}ms"), keys=Literal(keys))
+        ).format(wait=Literal(f"{LOCK_WAIT_MS}ms"), keys=Literal(wait))
         try:
-            connection.execute(take)
-            return True
+            if wait:
+                connection.execute(take)
+            if not attempt:
+                return set()
+            row = connection.execute(TRY, (attempt,)).fetchone()
+            return set(row[0]) if row is not None else set(attempt)
         except errors.LockNotAvailable:
             log.info("runner locks not granted in %s ms: deciding without", LOCK_WAIT_MS)
         except psycopg.Error as error:
@@ -160,4 +219,4 @@ class RunnerLocks:
             connection.execute(UNLOCK)
         except psycopg.Error:
             connection.close()
-        return False
+        return None

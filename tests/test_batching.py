@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -22,6 +23,7 @@ from secondbox_scheduler.domain import InvalidRequestError, ScheduleRequest, Sch
 from secondbox_scheduler.domain.ids import runner_uuid, sandbox_uuid
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit_replay import verify
+from secondbox_scheduler.infrastructure.batcher import PlacementBatcher
 from tests.conftest import Clock, Store
 from tests.factories import (
     capacity,
@@ -264,7 +266,7 @@ def test_a_batch_caches_its_runners_and_not_its_sandboxes(
     garbage collection walks (the bench's p99). A sandbox cached before is still brought
     up to date, and commands never touch the cached instance."""
     build(app, clock)
-    read_before = app.repository.get(sandbox_uuid("s4"))
+    read_before: Any = app.repository.get(sandbox_uuid("s4"))
     outcomes = app.schedule_many([schedule_request(s, clock()) for s in ("s0", "s1", "s4")])
     assert all(not isinstance(o, SchedulerError) and o[1] for o in outcomes)
     assert _cached(app, sandbox_uuid("s0")) is None
@@ -280,3 +282,45 @@ def test_a_batch_caches_its_runners_and_not_its_sandboxes(
         outcomes[0][0].id,  # type: ignore[index]
         outcomes[2][0].id,  # type: ignore[index]
     ]
+
+
+def test_a_deferred_call_goes_first_into_the_next_batch_and_is_not_deferred_again(
+    clock: Clock,
+) -> None:
+    """The batcher's side of a deferral (the store's side: tests/test_runner_locks.py):
+    a call whose runner was busy is queued again before the later calls, its next batch
+    may not defer it, and every caller gets its own answer, the leader's included."""
+    runs: list[list[tuple[str, bool]]] = []
+    guard = threading.Lock()
+
+    def run(requests: Sequence[ScheduleRequest], deferrable: Sequence[bool]) -> list[Any]:
+        with guard:
+            runs.append([(r.sandbox_id, d) for r, d in zip(requests, deferrable, strict=True)])
+        return [
+            None if d and r.sandbox_id.startswith("busy") else (r.sandbox_id, True)
+            for r, d in zip(requests, deferrable, strict=True)
+        ]
+
+    batcher = PlacementBatcher(run)
+    lone: Any = batcher.schedule(schedule_request("busy-0", clock()))
+    assert lone == ("busy-0", True)
+    assert runs == [[("busy-0", True)], [("busy-0", False)]]  # the lone leader led again
+    runs.clear()
+    names = [f"{'busy' if n % 2 else 'free'}-{n}" for n in range(1, 17)]
+    answers: dict[str, Any] = {}
+    threads = [
+        threading.Thread(
+            target=lambda n=n: answers.update({n: batcher.schedule(schedule_request(n, clock()))})
+        )
+        for n in names
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert answers == {n: (n, True) for n in names}
+    tried = Counter(name for batch in runs for name, _ in batch)
+    assert tried == {n: 2 if n.startswith("busy") else 1 for n in names}
+    for batch in runs:  # a deferred call comes back before any call queued after it
+        flags = [d for _, d in batch]
+        assert flags == sorted(flags)  # the not-deferrable (deferred before) come first
