@@ -267,7 +267,7 @@ class SchedulerApplication(Application[UUID]):
             self.batcher: PlacementBatcher | None = None
             if strtobool(self.env.get(BATCHING) or "on"):
                 self.batcher = PlacementBatcher(
-                    PlacementBatch(self).run_deferring,
+                    self._place_deferring,
                     size=int(
                         batch_setting(self.env.get(BATCH_SIZE), DEFAULT_BATCH_SIZE, BATCH_SIZE)
                     ),
@@ -750,6 +750,12 @@ class SchedulerApplication(Application[UUID]):
         self, requests: Sequence[ScheduleRequest]
     ) -> list[tuple[DurableAssignment, bool] | SchedulerError]:
         return PlacementBatch(self).run(requests)
+
+    def _place_deferring(
+        self, requests: Sequence[ScheduleRequest], deferrable: Sequence[bool]
+    ) -> list[tuple[DurableAssignment, bool] | SchedulerError | None]:
+        """The batcher's batch: None for a request handed back (its runner was busy)."""
+        return PlacementBatch(self).run_deferring(requests, deferrable)
 
     def _check_request(self, request: object) -> None:
         if not isinstance(request, ScheduleRequest):

@@ -276,6 +276,7 @@ class PlacementBatch:
             aggregates = [a for d in placing for a in d.aggregates if id(a) not in unsafe]
             try:
                 self.app.save_in_order([e for d in placing for e in d.events], aggregates)
+                self._cache_runners(aggregates)
                 return retry
             except IntegrityError:
                 changed = self._changed_streams(placing)
@@ -286,6 +287,18 @@ class PlacementBatch:
                 retry |= affected - reused
                 placing = [d for d in placing if d.index not in affected]
         return retry
+
+    def _cache_runners(self, committed: list[Any]) -> None:
+        """The runners just committed replace their cached copies (the library caches
+        nothing on a save when it fast-forwards): the next batch on a runner then reads
+        only what other replicas wrote since, not this commit's events back. Only
+        committed states: an aggregate a retried request also changed is not among
+        ``committed``; the cache's copy is never commanded (loads return copies)."""
+        cache = self.app.repository.cache
+        if cache is None:
+            return
+        for aggregate in {id(a): a for a in committed if isinstance(a, Runner)}.values():
+            cache.put(aggregate.id, aggregate)
 
     def _refuse_a_used_token(self, request: ScheduleRequest, generation: int) -> None:
         """Before a placement refusal: a token an earlier generation used makes the

@@ -128,8 +128,7 @@ class RunnerLocks:
                 sorted(k for k, r in keys.items() if r not in patient),
             )
             if busy and not worth_deferring(frozenset(keys[k] for k in busy)):
-                connection.execute(UNLOCK)
-                busy = self._take(connection, sorted(keys), [])
+                busy = self._take_again(connection, sorted(keys))
             if busy is None:
                 yield Held(False)
             else:
@@ -189,6 +188,17 @@ class RunnerLocks:
                     open=True,
                 )
             return self._pool
+
+    def _take_again(self, connection: psycopg.Connection[Any], keys: list[int]) -> set[int] | None:
+        """Release the locks held and take all of ``keys`` again in key order, waiting;
+        None (nothing held) when the session fails or a lock is not granted in time."""
+        try:
+            connection.execute(UNLOCK)
+        except psycopg.Error as error:
+            log.info("runner locks not released (%s): deciding without", error)
+            connection.close()
+            return None
+        return self._take(connection, keys, [])
 
     def _take(
         self, connection: psycopg.Connection[Any], wait: list[int], attempt: list[int]

@@ -324,3 +324,22 @@ def test_a_deferred_call_goes_first_into_the_next_batch_and_is_not_deferred_agai
     for batch in runs:  # a deferred call comes back before any call queued after it
         flags = [d for _, d in batch]
         assert flags == sorted(flags)  # the not-deferrable (deferred before) come first
+
+
+def test_a_batch_leaves_its_committed_runners_in_the_cache(
+    app: SchedulerApplication, clock: Clock
+) -> None:
+    """The next batch on a runner reads only what others wrote since, not this
+    batch's own events back: the cached runner is the committed state."""
+    build(app, clock)
+    outcomes = app.schedule_many([schedule_request(s, clock()) for s in ("s0", "s1", "s2")])
+    assert all(not isinstance(o, SchedulerError) and o[1] for o in outcomes)
+    for runner_id in ("ra", "rb"):
+        cached = _cached(app, runner_uuid(runner_id))
+        assert cached is not None
+        stored = app.stream_versions([runner_uuid(runner_id)])[runner_uuid(runner_id)]
+        assert cached.version == stored
+    # and a later command never changes the cached instance in place
+    before = _cached(app, runner_uuid("ra")).version
+    app.schedule_many([schedule_request("s3", clock())])
+    assert _cached(app, runner_uuid("ra")).version >= before

@@ -313,3 +313,34 @@ def test_a_batch_mostly_on_busy_runners_waits_for_them_whole(
         assert app.get_runner("hot").reserved.instances == 2
     finally:
         app.close()
+
+
+def test_a_lock_session_broken_before_the_fallback_is_not_an_error_of_the_batch(
+    postgres_schema: PostgresSchema,
+) -> None:
+    """Found by review: a lock session lost between the try and the release before
+    waiting whole (most of the batch busy) failed the batch, every caller of the
+    batcher hearing the error; a broken session means going on without the locks."""
+    app = SchedulerApplication(env=postgres_schema.env())
+    try:
+        locks = app.runner_locks
+        keys = {r: lock_key(locks.namespace, r) for r in ("a", "b")}
+        with psycopg.connect(postgres_schema.server.conninfo(), autocommit=True) as rival:
+            rival.execute("SELECT pg_advisory_lock(%s)", (keys["b"],))
+            me = rival.info.backend_pid
+
+            def session_lost_then_no(busy: frozenset[str]) -> bool:
+                # the lock session dies (network, failover, pg_terminate_backend) here
+                unsigned = keys["a"] & (2**64 - 1)  # only this test's lock session
+                rival.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = "
+                    "'advisory' AND granted AND pid <> %s AND classid = %s AND objid = %s "
+                    "AND objsubid = 1",
+                    (me, unsigned >> 32, unsigned & (2**32 - 1)),
+                )
+                return False  # most of the batch busy: release and wait whole
+
+            with locks.hold(keys, wait_for=[], worth_deferring=session_lost_then_no) as held:
+                assert held.locked is False  # goes on without the locks
+    finally:
+        app.close()
