@@ -65,8 +65,12 @@ from secondbox_scheduler.domain.values import Requirements, RunnerSnapshot, Sche
 TOKEN_REUSED = "must differ from every earlier token of this sandbox"
 # Parsed pinned requirements by the id of the record parsed (which the entry holds, so
 # the id cannot be reused while the entry lives): see Sandbox.pinned_requirements.
+# Small: a placement batch reads its sandboxes afresh (one record each, parsed once),
+# and 10,000 entries kept 100,000 objects alive that every young garbage collection
+# walked (docs/performance.md, "Tail latency"); a cached sandbox placed again is the
+# case it serves.
 _PINNED: dict[int, tuple[dict[str, Any], Requirements]] = {}
-_PINNED_LIMIT = 10_000
+_PINNED_LIMIT = 256
 
 
 class Sandbox(Aggregate):

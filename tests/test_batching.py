@@ -8,6 +8,7 @@ by one in the same order would give.
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 
 from secondbox_scheduler.domain import InvalidRequestError, ScheduleRequest, SchedulerError
 from secondbox_scheduler.domain.ids import runner_uuid, sandbox_uuid
+from secondbox_scheduler.domain.values import Requirements
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit_replay import verify
 from secondbox_scheduler.infrastructure.batcher import PlacementBatcher
@@ -343,3 +345,32 @@ def test_a_batch_leaves_its_committed_runners_in_the_cache(
     before = _cached(app, runner_uuid("ra")).version
     app.schedule_many([schedule_request("s3", clock())])
     assert _cached(app, runner_uuid("ra")).version >= before
+
+
+def test_placing_many_sandboxes_keeps_no_parsed_requirements_alive(
+    tmp_path: Path, clock: Clock
+) -> None:
+    """A batch reads its sandboxes afresh; their parsed requirements must not outlive
+    them (10,000 kept alive were most of what each young garbage collection walked)."""
+    app = SchedulerApplication(
+        env={"SECONDBOX_DATABASE_URL": f"sqlite:///{tmp_path}/many.db"}, now=clock
+    )
+    try:
+        room = {"vcpu_count": 2000, "memory_bytes": 4000 * 2**30, "disk_bytes": 30000 * 2**30}
+        register(
+            app, "roomy", at=clock(),
+            allocatable=capacity(instances=1000, operations=4000, **room),
+        )  # fmt: skip
+        names = [f"m{n}" for n in range(600)]
+        for name in names:
+            create_sandbox(app, name)
+        gc.collect()
+        before = sum(1 for o in gc.get_objects() if isinstance(o, Requirements))
+        for start in range(0, len(names), 50):
+            batch = [schedule_request(n, clock()) for n in names[start : start + 50]]
+            assert all(not isinstance(o, SchedulerError) for o in app.schedule_many(batch))
+        gc.collect()
+        after = sum(1 for o in gc.get_objects() if isinstance(o, Requirements))
+        assert after - before <= 300  # bounded, not one per placement
+    finally:
+        app.close()
