@@ -65,6 +65,7 @@ from secondbox_scheduler.domain.values import (
 )
 from secondbox_scheduler.infrastructure.batcher import DEFAULT_BATCH_SIZE, PlacementBatcher
 from secondbox_scheduler.infrastructure.event_chain import (
+    ChainedPostgresRecorder,
     ChainedRecorder,
     SealedPostgresSnapshots,
     SealedSnapshots,
@@ -770,16 +771,36 @@ class SchedulerApplication(Application[UUID]):
         processing_event: ProcessingEvent[UUID] = ProcessingEvent()
         processing_event.events = list(events)
         processing_event.aggregates = {aggregate.id: aggregate for aggregate in aggregates}
+        taken = self._snapshots_due(processing_event)
+        events_recorder, snapshots = self.recorder, self.snapshots
+        if (
+            taken
+            and snapshots is not None
+            and isinstance(events_recorder, ChainedPostgresRecorder)
+            and isinstance(snapshots.recorder, SealedPostgresSnapshots)
+            and snapshots.recorder.datastore is events_recorder.datastore
+        ):  # one transaction, one commit, for the events and the snapshots taken at them
+            stored = [snapshots.mapper.to_stored_event(snapshot) for snapshot in taken]
+            processing_event.saved_kwargs["snapshots"] = snapshots.recorder.within(stored)
+            taken = []
         recordings = self._record(processing_event)
-        self._take_snapshots(processing_event)
+        if taken and snapshots is not None:
+            snapshots.put(taken)
         self._notify(recordings)
 
     def _take_snapshots(self, processing_event: ProcessingEvent[UUID]) -> None:
         """Snapshot each saved aggregate whose new events passed a multiple of its
         interval, from the aggregate in memory (the library reads it back from the store
         for every such event; a batch passes several on a busy runner)."""
+        taken = self._snapshots_due(processing_event)
+        if taken and self.snapshots is not None:  # one transaction for all of them
+            self.snapshots.put(taken)
+
+    def _snapshots_due(self, processing_event: ProcessingEvent[UUID]) -> list[Any]:
+        """The snapshots of the aggregates of ``processing_event`` whose new events pass
+        a multiple of their snapshotting interval, taken from the aggregates in memory."""
         if self.snapshots is None:
-            return
+            return []
         versions: dict[UUID, list[int]] = {}
         for event in processing_event.events:
             versions.setdefault(event.originator_id, []).append(event.originator_version)
@@ -791,8 +812,7 @@ class SchedulerApplication(Application[UUID]):
                 assert aggregate.version == max(written)
                 snapshot_class = getattr(type(aggregate), "Snapshot", Snapshot)
                 taken.append(snapshot_class.take(aggregate))
-        if taken:  # one transaction for all of them
-            self.snapshots.put(taken)
+        return taken
 
     def stream_versions(self, stream_ids: Sequence[UUID]) -> dict[UUID, int]:
         """The last stored version of each stream (absent: no such stream)."""

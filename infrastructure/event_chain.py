@@ -28,6 +28,7 @@ from functools import cached_property
 from typing import Any
 from uuid import UUID
 
+import psycopg
 from eventsourcing.persistence import (
     InterfaceError,
     OperationalError,
@@ -46,6 +47,7 @@ from eventsourcing.sqlite import (
     SQLiteDatastore,
 )
 from eventsourcing.utils import retry
+from psycopg import Rollback
 from psycopg.rows import tuple_row
 from psycopg.sql import SQL, Composed, Identifier
 
@@ -224,10 +226,17 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
 
     @retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
     def insert_events(
-        self, stored_events: Sequence[StoredEvent], **kwargs: Any
+        self,
+        stored_events: Sequence[StoredEvent],
+        *,
+        snapshots: SnapshotsWithin | None = None,
+        **kwargs: Any,
     ) -> Sequence[int] | None:
         """As the library's (one pipelined transaction), with the head of the chain read
-        after the lock and the new links inserted before the commit."""
+        after the lock and the new links inserted before the commit; and ``snapshots``
+        (:meth:`SealedPostgresSnapshots.within`), snapshots taken at some of these
+        events, sealed with their links' digests and written in the same transaction:
+        one commit for both."""
         if self.datastore.enable_db_functions:
             raise ProgrammingError("the chained recorder does not use database functions")
         exc: Exception | None = None
@@ -269,11 +278,36 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
                                 ),
                                 prepare=True,
                             )
+                            if snapshots is not None:
+                                snapshots.write(
+                                    curs,
+                                    {
+                                        (e.originator_id, e.originator_version): k.digest
+                                        for e, k in zip(stored_events, links, strict=True)
+                                    },
+                                )
                         except Exception as e:
                             exc = e  # raised after the pipeline is closed, as the library does
+                if exc is not None and not isinstance(exc, psycopg.Error):
+                    # not the database's error (which aborted the transaction already):
+                    # the events sent so far must not be committed without their links
+                    raise Rollback
             if exc:
                 raise exc
         return notification_ids
+
+
+class SnapshotsWithin:
+    """Snapshots that a save writes in its own transaction (one commit for the events
+    and the snapshots taken at them), sealed with the digests of the links the same
+    transaction writes."""
+
+    def __init__(self, recorder: SealedPostgresSnapshots, stored: list[StoredEvent]) -> None:
+        self.recorder = recorder
+        self.stored = stored
+
+    def write(self, curs: Any, digests: dict[tuple[UUID | str, int], bytes]) -> None:
+        self.recorder.write_sealed(curs, self.stored, digests)
 
 
 # -- snapshots ----------------------------------------------------------------------
@@ -499,6 +533,36 @@ class SealedPostgresSnapshots(SealedSnapshots, PostgresAggregateRecorder):
             "events": Identifier(self.chained_events_table),
             "chain": Identifier(chain_table(self.chained_events_table)),
         }
+
+    def within(self, stored_snapshots: Sequence[StoredEvent]) -> SnapshotsWithin:
+        """Snapshots to write inside the transaction that saves the events they were
+        taken at (:meth:`ChainedPostgresRecorder.insert_events`)."""
+        return SnapshotsWithin(self, list(stored_snapshots))
+
+    def write_sealed(
+        self,
+        curs: Any,
+        stored_snapshots: Sequence[StoredEvent],
+        digests: dict[tuple[UUID | str, int], bytes],
+    ) -> None:
+        """Insert the snapshots and the seals of those whose event's chain digest is
+        in ``digests``, on ``curs`` (its transaction)."""
+        statements = self._statements
+        insert_unnested(curs, statements["insert"], stored_snapshots)
+        sealed = [
+            (s, digests[(s.originator_id, s.originator_version)])
+            for s in stored_snapshots
+            if (s.originator_id, s.originator_version) in digests
+        ]
+        if sealed:
+            curs.execute(
+                statements["seals"],
+                (
+                    [s.originator_id for s, _ in sealed],
+                    [s.originator_version for s, _ in sealed],
+                    [self.seal_for(s, digest) for s, digest in sealed],
+                ),
+            )
 
     @retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
     def insert_events(

@@ -26,7 +26,8 @@ from secondbox_scheduler.domain.values import Requirements
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit_replay import verify
 from secondbox_scheduler.infrastructure.batcher import PlacementBatcher
-from tests.conftest import Clock, Store
+from secondbox_scheduler.infrastructure.event_chain import SealedPostgresSnapshots
+from tests.conftest import Clock, PostgresSchema, Store
 from tests.factories import (
     capacity,
     create_sandbox,
@@ -372,5 +373,67 @@ def test_placing_many_sandboxes_keeps_no_parsed_requirements_alive(
         gc.collect()
         after = sum(1 for o in gc.get_objects() if isinstance(o, Requirements))
         assert after - before <= 300  # bounded, not one per placement
+    finally:
+        app.close()
+
+
+def test_snapshots_are_written_in_the_transaction_of_their_events(
+    postgres_schema: PostgresSchema, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL: the snapshots a batch takes (a runner passing a multiple of its
+    interval) are sealed with the links of the same transaction and committed with the
+    events, one commit for both: a snapshot that cannot be written leaves nothing
+    stored, not placements without their snapshot and an error after the commit."""
+    app = SchedulerApplication(env=postgres_schema.env(), now=clock)
+    try:
+        room = {"vcpu_count": 128, "memory_bytes": 256 * 2**30, "disk_bytes": 2000 * 2**30}
+        register(app, "ra", at=clock(), allocatable=capacity(instances=64, operations=64, **room))
+        names = [f"s{n}" for n in range(12)]
+        for name in names:
+            create_sandbox(app, name)
+        version = app.stream_versions([runner_uuid("ra")])[runner_uuid("ra")]
+        assert version < 10 <= version + len(names)  # the batch passes the interval
+
+        def broken(*_: Any) -> None:
+            raise RuntimeError("snapshot not written")
+
+        monkeypatch.setattr(SealedPostgresSnapshots, "write_sealed", broken)
+        with pytest.raises(RuntimeError):
+            app.schedule_many([schedule_request(n, clock()) for n in names])
+        assert app.stream_versions([runner_uuid("ra")])[runner_uuid("ra")] == version
+        assert app.get_runner("ra").reserved.instances == 0
+        monkeypatch.undo()
+        outcomes = app.schedule_many([schedule_request(n, clock()) for n in names])
+        assert all(not isinstance(o, SchedulerError) and o[1] for o in outcomes)
+        assert app.snapshots is not None
+        snapshot = app.snapshots.recorder.select_events(runner_uuid("ra"), desc=True, limit=1)
+        stored = app.stream_versions([runner_uuid("ra")])[runner_uuid("ra")]
+        assert [s.originator_version for s in snapshot] == [stored]  # taken at the batch's end
+        assert verify(app, measure_raw=False).ok  # its seal checks against the chain
+    finally:
+        app.close()
+
+
+def test_a_save_whose_links_fail_stores_nothing(
+    postgres_schema: PostgresSchema, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found with the test above: an error of ours between the insert and the commit
+    (computing the links) was caught to be raised after the pipeline closed, as the
+    library does with the database's errors, and the transaction committed the events
+    without their links (unchained, which audit verify reports). It rolls back now."""
+    app = SchedulerApplication(env=postgres_schema.env(), now=clock)
+    try:
+        build(app, clock)
+        version = app.stream_versions([runner_uuid("ra")])[runner_uuid("ra")]
+
+        def broken(*_: Any) -> list[Any]:
+            raise RuntimeError("links not computed")
+
+        monkeypatch.setattr(app.recorder.chain, "links", broken)  # type: ignore[attr-defined]
+        with pytest.raises(RuntimeError):
+            app.schedule_many([schedule_request("s0", clock())])
+        monkeypatch.undo()
+        assert app.stream_versions([runner_uuid("ra")])[runner_uuid("ra")] == version
+        assert verify(app, measure_raw=False).ok
     finally:
         app.close()

@@ -34,6 +34,7 @@ from typing import Any
 
 from secondbox_scheduler.domain.values import ScheduleRequest
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.bench.database import settle
 from secondbox_scheduler.infrastructure.bench.errors import BenchError
 from secondbox_scheduler.infrastructure.bench.fleet import (
     MATERIALIZATION,
@@ -237,6 +238,7 @@ def measure_http(
             )
             for index in range(settings.workers)
         ]
+        progress(f"http: settling the database ({settle(env)})")
         summary = summarize(pool.run(jobs))
     summary["runners"] = settings.runners
     summary["replicas"] = settings.workers

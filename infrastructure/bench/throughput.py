@@ -11,6 +11,7 @@ from typing import Any
 from psycopg.conninfo import make_conninfo
 
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.bench.database import settle
 from secondbox_scheduler.infrastructure.bench.fleet import (
     bench_requirements,
     create_homed_sandboxes,
@@ -51,6 +52,7 @@ def measure_raw(pool: WorkerPool, env: dict[str, str], settings: BenchSettings) 
         jobs: list[Job] = [
             RawJob(env, per_transaction, settings.raw_seconds) for _ in range(pool.workers)
         ]
+        settle(env)  # as before every timed run: what the previous one left is not counted
         summary = summarize(pool.run(jobs), count="saved")
         summary["aggregates_per_transaction"] = per_transaction
         summary["transactions_per_second"] = summary.pop("per_second")
@@ -114,6 +116,7 @@ def measure_placement(
         )
         for ids in _spread(list(homes), settings.workers)
     ]
+    progress(f"{pool_name}: settling the database ({settle(env)})")
     summary = summarize(pool.run(jobs))
     summary["runners"] = settings.runners
     summary["callers_per_worker"] = threads
@@ -147,6 +150,7 @@ def measure_row_lock(
                    settings.placement_seconds)
         for i in range(settings.workers)
     ]  # fmt: skip
+    progress(f"row-lock peer: settling the database ({settle(env)})")
     summary = summarize(pool.run(jobs))
     summary["runners"] = settings.runners
     return summary
@@ -195,6 +199,7 @@ def measure_contention(
         )
         for ids in _spread(sandbox_ids, settings.workers)
     ]
+    progress(f"{pool_name}: settling the database ({settle(env)})")
     summary = summarize(pool.run(jobs))
     summary["goodput_per_second"] = summary.pop("per_second")
     summary["sandboxes"] = count
