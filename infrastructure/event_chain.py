@@ -49,7 +49,7 @@ from eventsourcing.sqlite import (
 from eventsourcing.utils import retry
 from psycopg import Rollback
 from psycopg.rows import tuple_row
-from psycopg.sql import SQL, Composed, Identifier
+from psycopg.sql import SQL, Composable, Composed, Identifier
 
 from secondbox_scheduler.domain.chain import Chain, ChainedEvent, Link
 
@@ -104,6 +104,18 @@ def chain_digests_statement(names: dict[str, Identifier]) -> Composed:
         "CROSS JOIN LATERAL (SELECT digest FROM {schema}.{chain} "
         "WHERE position = e.notification_id OFFSET 0) AS c"
     ).format(**names)
+
+
+def seal_and_digest(names: dict[str, Identifier], alias: str) -> Composed:
+    """A snapshot's seal and the chain digest of the event it was taken at, each read
+    through a primary key (correlated subqueries: no plan joins whole tables first)."""
+    return SQL(
+        "(SELECT g.seal FROM {schema}.{seals} g WHERE g.originator_id = {alias}.originator_id "
+        "AND g.originator_version = {alias}.originator_version) AS seal, "
+        "(SELECT c.digest FROM {schema}.{events} e JOIN {schema}.{chain} c "
+        "ON c.position = e.notification_id WHERE e.originator_id = {alias}.originator_id "
+        "AND e.originator_version = {alias}.originator_version) AS digest"
+    ).format(alias=Identifier(alias), **names)
 
 
 def compiled(statement: Composed) -> bytes:
@@ -498,21 +510,17 @@ class SealedPostgresSnapshots(SealedSnapshots, PostgresAggregateRecorder):
         """This store's statements, rendered once (after :meth:`configure`)."""
         names = self._names()
         latest_and_after = SQL(
-            "WITH snap AS (SELECT DISTINCT ON (s.originator_id) s.originator_id, "
-            "s.originator_version, s.topic, s.state, g.seal, c.digest "
-            "FROM {schema}.{snapshots} s LEFT JOIN {schema}.{seals} g "
-            "ON g.originator_id = s.originator_id AND g.originator_version = s.originator_version "
-            "LEFT JOIN {schema}.{events} e ON e.originator_id = s.originator_id "
-            "AND e.originator_version = s.originator_version "
-            "LEFT JOIN {schema}.{chain} c ON c.position = e.notification_id "
-            "WHERE s.originator_id = ANY(%b) ORDER BY s.originator_id, s.originator_version DESC) "
+            "WITH snap AS (SELECT l.originator_id, l.originator_version, l.topic, l.state, "
+            "{seal_and_digest} FROM unnest(%b::uuid[]) AS v(id) CROSS JOIN LATERAL "
+            "(SELECT originator_id, originator_version, topic, state FROM {schema}.{snapshots} "
+            "WHERE originator_id = v.id ORDER BY originator_version DESC LIMIT 1) AS l) "
             "SELECT originator_id, 0 AS part, originator_version, topic, state, seal, digest "
             "FROM snap UNION ALL SELECT e.originator_id, 1, e.originator_version, e.topic, "
             "e.state, NULL, NULL FROM {schema}.{events} e LEFT JOIN snap s "
             "ON s.originator_id = e.originator_id WHERE e.originator_id = ANY(%b) "
             "AND e.originator_version > COALESCE(s.originator_version, 0) "
             "ORDER BY originator_id, part, originator_version"
-        ).format(**names)
+        ).format(seal_and_digest=seal_and_digest(names, "l"), **names)
         return {
             "insert": compiled(unnested_insert(self, returning=False)),
             "digests": compiled(chain_digests_statement(names)),
@@ -602,6 +610,50 @@ class SealedPostgresSnapshots(SealedSnapshots, PostgresAggregateRecorder):
                 )
         return None
 
+    def select_statement(
+        self,
+        originator_id: UUID | str,
+        *,
+        gt: int | None = None,
+        lte: int | None = None,
+        desc: bool = False,
+        limit: int | None = None,
+    ) -> tuple[Composed, list[Any]]:
+        """The statement of :meth:`select_events` and its parameters."""
+        # the snapshots first (the latest one through the primary key when limited),
+        # then each one's seal and chain digest through primary keys: a join before
+        # the limit let the planner, with statistics, pair all 10,000 snapshots of a
+        # long-lived runner with their events before keeping one (42 ms, not 0.8)
+        where: Composable = SQL("WHERE originator_id = %s")
+        params: list[Any] = [originator_id]
+        if gt is not None:
+            where += SQL(" AND originator_version > %s")
+            params.append(gt)
+        if lte is not None:
+            where += SQL(" AND originator_version <= %s")
+            params.append(lte)
+        order = SQL(" ORDER BY originator_version DESC" if desc else " ORDER BY originator_version")
+        limited = SQL("")
+        if limit is not None:
+            limited = SQL(" LIMIT %s")
+            params.append(limit)
+        names = self._names()
+        statement = (
+            SQL("SELECT s.originator_id, s.originator_version, s.topic, s.state, {} ").format(
+                seal_and_digest(names, "s")
+            )
+            + SQL(
+                "FROM (SELECT originator_id, originator_version, topic, state "
+                "FROM {schema}.{snapshots} "
+            ).format(**names)
+            + where
+            + order
+            + limited
+            + SQL(") AS s")
+            + order
+        )
+        return statement, params
+
     @retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
     def select_events(
         self,
@@ -612,26 +664,9 @@ class SealedPostgresSnapshots(SealedSnapshots, PostgresAggregateRecorder):
         desc: bool = False,
         limit: int | None = None,
     ) -> Sequence[StoredEvent]:
-        statement = SQL(
-            "SELECT s.originator_id, s.originator_version, s.topic, s.state, g.seal, c.digest "
-            "FROM {schema}.{snapshots} s LEFT JOIN {schema}.{seals} g "
-            "ON g.originator_id = s.originator_id AND g.originator_version = s.originator_version "
-            "LEFT JOIN {schema}.{events} e ON e.originator_id = s.originator_id "
-            "AND e.originator_version = s.originator_version "
-            "LEFT JOIN {schema}.{chain} c ON c.position = e.notification_id "
-            "WHERE s.originator_id = %s"
-        ).format(**self._names())
-        params: list[Any] = [originator_id]
-        if gt is not None:
-            statement += SQL(" AND s.originator_version > %s")
-            params.append(gt)
-        if lte is not None:
-            statement += SQL(" AND s.originator_version <= %s")
-            params.append(lte)
-        statement += SQL(" ORDER BY s.originator_version DESC" if desc else " ORDER BY 2 ASC")
-        if limit is not None:
-            statement += SQL(" LIMIT %s")
-            params.append(limit)
+        statement, params = self.select_statement(
+            originator_id, gt=gt, lte=lte, desc=desc, limit=limit
+        )
         with (
             self.datastore.get_connection() as conn,
             conn.cursor(row_factory=tuple_row) as curs,
