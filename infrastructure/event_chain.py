@@ -28,7 +28,6 @@ from functools import cached_property
 from typing import Any
 from uuid import UUID
 
-import psycopg
 from eventsourcing.persistence import (
     InterfaceError,
     OperationalError,
@@ -300,9 +299,9 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
                                 )
                         except Exception as e:
                             exc = e  # raised after the pipeline is closed, as the library does
-                if exc is not None and not isinstance(exc, psycopg.Error):
-                    # not the database's error (which aborted the transaction already):
-                    # the events sent so far must not be committed without their links
+                if exc is not None:
+                    # whatever failed (the server, psycopg before sending, our own code):
+                    # nothing sent so far may be committed (events without their links)
                     raise Rollback
             if exc:
                 raise exc

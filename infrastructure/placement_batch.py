@@ -270,9 +270,11 @@ class PlacementBatch:
             retry |= _dependents(decisions, set().union(*(d.read for d in stale)))
         placing = [d for d in decisions if d.events and d.index not in retry]
         while placing:
-            # an aggregate a retried request also changed holds uncommitted events: no
-            # snapshot of it now (a later save will pass the interval again)
-            unsafe = {id(a) for d in decisions if d.index in retry for a in d.aggregates}
+            # an aggregate that a request left out of this save also changed (retried,
+            # or refused for a reused token) holds state this save does not store: no
+            # snapshot of it and no caching (a later save will pass the interval again)
+            saving = {d.index for d in placing}
+            unsafe = {id(a) for d in decisions if d.index not in saving for a in d.aggregates}
             aggregates = [a for d in placing for a in d.aggregates if id(a) not in unsafe]
             try:
                 self.app.save_in_order([e for d in placing for e in d.events], aggregates)
