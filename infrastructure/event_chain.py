@@ -577,15 +577,13 @@ class SealedPostgresSnapshots(SealedSnapshots, PostgresAggregateRecorder):
     ) -> Sequence[int] | None:
         if not stored_events:
             return None
-        statements = self._statements
         with (
             self.datastore.get_connection() as conn,
             conn.transaction(),
             conn.cursor(row_factory=tuple_row) as curs,
         ):
-            insert_unnested(curs, statements["insert"], stored_events)
             curs.execute(
-                statements["digests"],
+                self._statements["digests"],
                 [
                     [s.originator_id for s in stored_events],
                     [s.originator_version for s in stored_events],
@@ -593,20 +591,7 @@ class SealedPostgresSnapshots(SealedSnapshots, PostgresAggregateRecorder):
                 prepare=True,
             )
             digests = {(row[0], row[1]): bytes(row[2]) for row in curs.fetchall()}
-            sealed = [
-                (s, digests[(s.originator_id, s.originator_version)])
-                for s in stored_events
-                if (s.originator_id, s.originator_version) in digests
-            ]
-            if sealed:
-                curs.execute(
-                    statements["seals"],
-                    (
-                        [s.originator_id for s, _ in sealed],
-                        [s.originator_version for s, _ in sealed],
-                        [self.seal_for(s, digest) for s, digest in sealed],
-                    ),
-                )
+            self.write_sealed(curs, stored_events, digests)
         return None
 
     def select_statement(

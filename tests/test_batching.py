@@ -417,31 +417,6 @@ def test_snapshots_are_written_in_the_transaction_of_their_events(
         app.close()
 
 
-def test_a_save_whose_links_fail_stores_nothing(
-    postgres_schema: PostgresSchema, clock: Clock, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Found with the test above: an error of ours between the insert and the commit
-    (computing the links) was caught to be raised after the pipeline closed, as the
-    library does with the database's errors, and the transaction committed the events
-    without their links (unchained, which audit verify reports). It rolls back now."""
-    app = SchedulerApplication(env=postgres_schema.env(), now=clock)
-    try:
-        build(app, clock)
-        version = app.stream_versions([runner_uuid("ra")])[runner_uuid("ra")]
-
-        def broken(*_: Any) -> list[Any]:
-            raise RuntimeError("links not computed")
-
-        monkeypatch.setattr(app.recorder.chain, "links", broken)  # type: ignore[attr-defined]
-        with pytest.raises(RuntimeError):
-            app.schedule_many([schedule_request("s0", clock())])
-        monkeypatch.undo()
-        assert app.stream_versions([runner_uuid("ra")])[runner_uuid("ra")] == version
-        assert verify(app, measure_raw=False).ok
-    finally:
-        app.close()
-
-
 PROOF = {"stopped": "yes"}
 
 
@@ -507,28 +482,48 @@ def test_a_placement_after_a_reused_token_keeps_the_runner_stream_readable(
     assert not runner.holds("s2", 2)
 
 
-def test_a_client_side_psycopg_error_before_the_commit_stores_nothing(
-    postgres_schema: PostgresSchema, clock: Clock, monkeypatch: pytest.MonkeyPatch
+def _failing(links: Any) -> Any:
+    def failing(*_: Any) -> list[Any]:
+        raise RuntimeError("links not computed")
+
+    return failing
+
+
+def _unadaptable(links: Any) -> Any:
+    def unadaptable(*args: Any) -> list[Any]:  # a digest psycopg cannot send
+        return [Link(k.position, k.previous, object()) for k in links(*args)]  # type: ignore[arg-type]
+
+    return unadaptable
+
+
+@pytest.mark.parametrize(
+    ("breaking", "error"), [(_failing, RuntimeError), (_unadaptable, ProgrammingError)]
+)
+def test_an_error_between_the_insert_and_the_commit_stores_nothing(
+    postgres_schema: PostgresSchema,
+    clock: Clock,
+    monkeypatch: pytest.MonkeyPatch,
+    breaking: Any,
+    error: type[Exception],
 ) -> None:
-    """Found by review: the rollback first spared psycopg's errors, taking them all for
-    the database's (which aborts the transaction itself); psycopg raises some before
-    sending anything (a value it cannot adapt), and the transaction then committed the
-    events without their links. Any error now rolls back."""
+    """Found with the snapshot test above: an error of ours between the insert and the
+    commit (computing the links) was caught to be raised after the pipeline closed, as
+    the library does with the database's errors, and the transaction committed the
+    events without their links. The first fix spared psycopg's errors, taking them all
+    for the database's; review found psycopg raises some before sending anything (a
+    value it cannot adapt; the library wraps it in its ProgrammingError), and those
+    still committed. Any error there now rolls back."""
     app = SchedulerApplication(env=postgres_schema.env(), now=clock)
     try:
-        register(app, "ra", at=clock())
-        create_sandbox(app, "s0")
-        version = app.stream_versions([runner_uuid("ra")])[runner_uuid("ra")]
-        links = app.recorder.chain.links  # type: ignore[attr-defined]
-
-        def unadaptable(*args: Any) -> list[Any]:  # a bug of ours, as in test_batching
-            return [Link(k.position, k.previous, object()) for k in links(*args)]  # type: ignore[arg-type]
-
-        monkeypatch.setattr(app.recorder.chain, "links", unadaptable)  # type: ignore[attr-defined]
-        with pytest.raises(ProgrammingError):  # the library's, wrapping psycopg's
-            app.schedule_many([schedule_request("s0", clock())])
+        build(app, clock)
+        runners = [runner_uuid("ra"), runner_uuid("rb")]
+        versions = app.stream_versions(runners)
+        chain = app.recorder.chain  # type: ignore[attr-defined]
+        monkeypatch.setattr(chain, "links", breaking(chain.links))
+        with pytest.raises(error):
+            app.schedule_many([schedule_request("s0", clock()), schedule_request("s1", clock())])
         monkeypatch.undo()
-        assert app.stream_versions([runner_uuid("ra")])[runner_uuid("ra")] == version
+        assert app.stream_versions(runners) == versions
         assert verify(app, measure_raw=False).ok
     finally:
         app.close()

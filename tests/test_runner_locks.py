@@ -246,6 +246,28 @@ def test_a_batch_defers_only_the_requests_whose_runner_a_rival_holds(
         app.close()
 
 
+def _waits_for_hot(
+    schema: PostgresSchema, app: SchedulerApplication, requests: Any, deferrable: list[bool]
+) -> list[Any]:
+    """Run the batch while a rival session holds the hot runner's lock: it must wait
+    for it (not defer), and finish once the rival lets go; its outcomes."""
+    answer: dict[str, Any] = {}
+    with psycopg.connect(schema.server.conninfo(), autocommit=True) as rival:
+        rival.execute("SELECT pg_advisory_lock(%s)", (lock_key(app.runner_locks.namespace, "hot"),))
+        thread = threading.Thread(
+            target=lambda: answer.update(
+                outcomes=PlacementBatch(app).run_deferring(requests, deferrable)
+            )
+        )
+        thread.start()
+        _until_waiting(schema, app, thread)
+        assert thread.is_alive()  # waiting for the lock, not deferring
+        rival.execute("SELECT pg_advisory_unlock_all()")
+        thread.join(WAIT)
+    outcomes: list[Any] = answer["outcomes"]
+    return outcomes
+
+
 def test_a_request_deferred_once_waits_for_its_runner(
     postgres_schema: PostgresSchema, clock: Clock
 ) -> None:
@@ -260,23 +282,8 @@ def test_a_request_deferred_once_waits_for_its_runner(
         for sandbox_id in ("s2", "s3", "s4", "s5"):
             assert create_sandbox(app, sandbox_id) == "roomy"
         requests = [schedule_request(s, clock()) for s in ("s1", "s2", "s3", "s4", "s5")]
-        key = lock_key(app.runner_locks.namespace, "hot")
-        answer: dict[str, Any] = {}
-        with psycopg.connect(postgres_schema.server.conninfo(), autocommit=True) as rival:
-            rival.execute("SELECT pg_advisory_lock(%s)", (key,))
-            thread = threading.Thread(
-                target=lambda: answer.update(
-                    outcomes=PlacementBatch(app).run_deferring(
-                        requests, [False, True, True, True, True]
-                    )
-                )
-            )
-            thread.start()
-            _until_waiting(postgres_schema, app, thread)
-            assert thread.is_alive()  # waiting for the lock, not deferring again
-            rival.execute("SELECT pg_advisory_unlock_all()")
-            thread.join(WAIT)
-        assert [o[1] for o in answer["outcomes"]] == [True] * 5
+        outcomes = _waits_for_hot(postgres_schema, app, requests, [False, True, True, True, True])
+        assert [o[1] for o in outcomes] == [True] * 5
         assert app.metrics.placements_deferred == 0
         assert app.get_runner("hot").reserved.instances == 1
     finally:
@@ -294,21 +301,8 @@ def test_a_batch_mostly_on_busy_runners_waits_for_them_whole(
         for sandbox_id in ("s1", "s2"):
             create_sandbox(app, sandbox_id)
         requests = [schedule_request(s, clock()) for s in ("s1", "s2")]
-        key = lock_key(app.runner_locks.namespace, "hot")
-        answer: dict[str, Any] = {}
-        with psycopg.connect(postgres_schema.server.conninfo(), autocommit=True) as rival:
-            rival.execute("SELECT pg_advisory_lock(%s)", (key,))
-            thread = threading.Thread(
-                target=lambda: answer.update(
-                    outcomes=PlacementBatch(app).run_deferring(requests, [True, True])
-                )
-            )
-            thread.start()
-            _until_waiting(postgres_schema, app, thread)
-            assert thread.is_alive()
-            rival.execute("SELECT pg_advisory_unlock_all()")
-            thread.join(WAIT)
-        assert [o[1] for o in answer["outcomes"]] == [True, True]
+        outcomes = _waits_for_hot(postgres_schema, app, requests, [True, True])
+        assert [o[1] for o in outcomes] == [True, True]
         assert app.metrics.placements_deferred == 0
         assert app.get_runner("hot").reserved.instances == 2
     finally:
