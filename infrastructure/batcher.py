@@ -5,12 +5,16 @@ Callers queue their requests; one of them at a time, the leader, takes what is q
 commits it as one :class:`~.placement_batch.PlacementBatch`, answers every caller in
 it, and hands the lead to the first caller still queued. A lone call leads at once and
 waits for nobody (the default longest wait is 0): batches form by themselves while a
-commit is in flight, as a database's group commit does; under load, a leader whose
-previous batch held several requests waits at most ``REGROUP_WAIT`` (1 ms) for as many
-callers to queue again. A call the batch handed back (its home runner was held by another
-replica's batch, :mod:`.runner_locks`) is queued again before every later call, and its
-next batch waits for the runner. Settings:
-``SECONDBOX_BATCH_SIZE`` (default 64) and ``SECONDBOX_BATCH_WAIT_MS`` (default 0).
+commit is in flight, as a database's group commit does. A leader whose previous batch
+held several requests waits for as many callers to queue again (:func:`regroup`): at
+most ``REGROUP_WAIT`` (1 ms) after a batch of two or three; after a batch of
+``LOADED`` (4) or more, for as long as calls keep arriving (a pause of ``REGROUP_GAP``,
+2 ms, ends the wait), at most ``REGROUP_LIMIT`` (8 ms). The wait ends as soon as they are
+all back. A call the batch handed back (its home runner was held by another replica's
+batch, :mod:`.runner_locks`) is queued again before every later call, and its next
+batch waits for the runner. Settings: ``SECONDBOX_BATCH_SIZE`` (default 64) and
+``SECONDBOX_BATCH_WAIT_MS`` (default 0: the regroup above; more: a leader waits that
+long for a full batch).
 """
 
 from __future__ import annotations
@@ -30,9 +34,29 @@ DEFAULT_BATCH_SIZE = 64
 DEFAULT_BATCH_WAIT = 0.0
 # Under load, the callers a batch answered come back together; the first of them would
 # lead a batch of one while the rest queue behind it (batches of 1, 15, 1, 15, ...).
-# So a leader whose previous batch held several requests waits up to this long for as
-# many to queue again. A lone call after a lone call never waits.
+# So a leader whose previous batch held several requests waits for as many to queue
+# again. A lone call after a lone call never waits; after a batch of two or three, at
+# most REGROUP_WAIT. Under load (a batch of LOADED or more), the callers come back over
+# milliseconds (each thread must get a CPU: 1.9 ms median, 5.7 ms p90 in the bench), and
+# one that misses the batch waits for all of it (docs/performance.md): there the leader
+# waits while they keep arriving, up to REGROUP_LIMIT, and stops at a pause of
+# REGROUP_GAP (the load dropped).
 REGROUP_WAIT = 0.001
+LOADED = 4
+REGROUP_GAP = 0.002
+REGROUP_LIMIT = 0.008
+
+
+def regroup(previous: int, size: int, wait: float) -> tuple[int, float, float]:
+    """How a leader waits before it takes its batch: (calls wanted, longest wait in all,
+    longest pause between two arrivals), after a batch of ``previous`` requests, with
+    the batch size and the configured longest wait (0: none configured)."""
+    if wait > 0:  # the configured wait, for a full batch
+        return size, wait, wait
+    wanted = min(size, previous)
+    if wanted >= LOADED:
+        return wanted, REGROUP_LIMIT, REGROUP_GAP
+    return wanted, REGROUP_WAIT, REGROUP_WAIT
 
 
 class _Slot:
@@ -64,15 +88,18 @@ class PlacementBatcher:
         self.wait = wait
         self._queue: deque[_Slot] = deque()
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)  # a call queued (for the leader)
         self._busy = False
         self._last_size = 0  # requests in the previous batch
 
     def schedule(self, request: ScheduleRequest) -> tuple[DurableAssignment, bool]:
         slot = _Slot(request)
-        with self._lock:
+        with self._arrived:
             self._queue.append(slot)
             if not self._busy:
                 self._busy = slot.lead = True
+            else:
+                self._arrived.notify()
         while True:
             if not slot.lead:
                 slot.wake.wait()
@@ -86,14 +113,13 @@ class PlacementBatcher:
         return outcome
 
     def _lead(self) -> None:
-        if self.wait > 0:  # the configured wait, for a full batch
-            wanted, wait = self.size, self.wait
-        else:  # the regroup wait, for as many as the previous batch held
-            wanted, wait = min(self.size, self._last_size), REGROUP_WAIT
-        deadline = time.monotonic() + wait
-        while len(self._queue) < wanted and time.monotonic() < deadline:
-            time.sleep(wait / 10)
-        with self._lock:
+        wanted, limit, gap = regroup(self._last_size, self.size, self.wait)
+        deadline = time.monotonic() + limit
+        with self._arrived:
+            while len(self._queue) < wanted:
+                timeout = min(deadline - time.monotonic(), gap)
+                if timeout <= 0 or not self._arrived.wait(timeout):
+                    break  # the longest wait is over, or nobody came for ``gap``
             batch = [self._queue.popleft() for _ in range(min(self.size, len(self._queue)))]
             self._last_size = len(batch)
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +28,7 @@ from secondbox_scheduler.domain.ids import runner_uuid, sandbox_uuid
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.values import Requirements
 from secondbox_scheduler.infrastructure import SchedulerApplication
+from secondbox_scheduler.infrastructure import batcher as batcher_module
 from secondbox_scheduler.infrastructure.audit_replay import verify
 from secondbox_scheduler.infrastructure.batcher import PlacementBatcher
 from secondbox_scheduler.infrastructure.event_chain import SealedPostgresSnapshots
@@ -330,6 +332,101 @@ def test_a_deferred_call_goes_first_into_the_next_batch_and_is_not_deferred_agai
     for batch in runs:  # a deferred call comes back before any call queued after it
         flags = [d for _, d in batch]
         assert flags == sorted(flags)  # the not-deferrable (deferred before) come first
+
+
+class _Rounds:
+    """A batcher over a recording ``run``, and callers that come back like a bench's: a
+    first batch of ``callers`` (gathered behind a lone call whose run waits for them),
+    then each caller calls again after its own delay."""
+
+    def __init__(self, callers: int) -> None:
+        self.callers = callers
+        self.batches: list[list[str]] = []
+        self.first = threading.Event()
+        self.batcher = PlacementBatcher(self._run)
+
+    def _run(self, requests: Sequence[ScheduleRequest], _: Sequence[bool]) -> list[Any]:
+        self.batches.append([r.sandbox_id for r in requests])
+        if requests[0].sandbox_id == "opener":
+            assert self.first.wait(10)  # the callers queue meanwhile: one batch of them
+        return [(r.sandbox_id, True) for r in requests]
+
+    def play(self, clock: Clock, delays: Sequence[float]) -> dict[str, Any]:
+        answers: dict[str, Any] = {}
+
+        def caller(n: int) -> None:
+            answers[f"a{n}"] = self.batcher.schedule(schedule_request(f"a{n}", clock()))
+            if n < len(delays):
+                time.sleep(delays[n])
+                answers[f"b{n}"] = self.batcher.schedule(schedule_request(f"b{n}", clock()))
+
+        opener = threading.Thread(
+            target=lambda: self.batcher.schedule(schedule_request("opener", clock()))
+        )
+        opener.start()
+        while not self.batches:
+            time.sleep(0.001)
+        threads = [threading.Thread(target=caller, args=(n,)) for n in range(self.callers)]
+        for thread in threads:
+            thread.start()
+        while len(self.batcher._queue) < self.callers:
+            time.sleep(0.001)
+        self.first.set()
+        for thread in [opener, *threads]:
+            thread.join(20)
+        return answers
+
+
+def test_under_load_a_leader_waits_for_the_callers_of_its_previous_batch(
+    clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The callers a batch of 8 answered come back one by one (here 30 ms apart, against
+    a pause limit widened to 0.5 s so that a slow machine cannot split them; the bench's
+    come back over a few ms): the next batch takes all 8, instead of leading with the
+    first one back and leaving the others a whole batch to wait."""
+    monkeypatch.setattr(batcher_module, "REGROUP_GAP", 0.5, raising=False)
+    monkeypatch.setattr(batcher_module, "REGROUP_LIMIT", 10.0, raising=False)
+    rounds = _Rounds(8)
+    answers = rounds.play(clock, [0.03 * n for n in range(8)])
+    assert len(answers) == 16
+    assert all(answers[k] == (k, True) for k in answers)
+    assert rounds.batches[1] == [f"a{n}" for n in range(8)]
+    assert sorted(rounds.batches[2]) == [f"b{n}" for n in range(8)]
+    assert len(rounds.batches) == 3
+
+
+def test_a_pause_in_the_arrivals_ends_the_regroup_wait(
+    clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only 3 of the 8 callers come back: the leader stops waiting after a pause with no
+    arrival, not at the longest wait (an hour here: the test would time out)."""
+    monkeypatch.setattr(batcher_module, "REGROUP_GAP", 0.05, raising=False)
+    monkeypatch.setattr(batcher_module, "REGROUP_LIMIT", 3600.0, raising=False)
+    rounds = _Rounds(8)
+    answers = rounds.play(clock, [0.0, 0.0, 0.0])
+    assert len(answers) == 11
+    assert all(answers[k] == (k, True) for k in answers)
+    assert sorted(n for batch in rounds.batches[2:] for n in batch) == ["b0", "b1", "b2"]
+
+
+def test_how_long_a_leader_regroups() -> None:
+    """A lone call after a lone call never waits; after a batch of two or three, 1 ms at
+    most (the low-load promise); under load, while calls keep arriving; a configured
+    wait is for a full batch."""
+    regroup = batcher_module.regroup
+    wait, gap, limit = (
+        batcher_module.REGROUP_WAIT,
+        batcher_module.REGROUP_GAP,
+        batcher_module.REGROUP_LIMIT,
+    )
+    assert regroup(0, 64, 0.0)[0] == 0
+    assert regroup(1, 64, 0.0)[0] == 1  # itself, queued: no wait
+    assert regroup(3, 64, 0.0) == (3, wait, wait)
+    assert wait <= 0.001
+    assert regroup(4, 64, 0.0) == (4, limit, gap)
+    assert gap < limit
+    assert regroup(100, 64, 0.0) == (64, limit, gap)
+    assert regroup(1, 64, 0.005) == (64, 0.005, 0.005)
 
 
 def test_a_batch_leaves_its_committed_runners_in_the_cache(
