@@ -6,13 +6,15 @@ commits it as one :class:`~.placement_batch.PlacementBatch`, answers every calle
 it, and hands the lead to the first caller still queued. A lone call leads at once and
 waits for nobody (the default longest wait is 0): batches form by themselves while a
 commit is in flight, as a database's group commit does. A leader whose previous batch
-held several requests waits for as many callers to queue again (:func:`regroup`): at
-most ``REGROUP_WAIT`` (1 ms) after a batch of two or three; after a batch of
-``LOADED`` (4) or more, for as long as calls keep arriving (a pause of ``REGROUP_GAP``,
-2 ms, ends the wait), at most ``REGROUP_LIMIT`` (8 ms). The wait ends as soon as they are
-all back. A call the batch handed back (its home runner was held by another replica's
-batch, :mod:`.runner_locks`) is queued again before every later call, and its next
-batch waits for the runner. Settings: ``SECONDBOX_BATCH_SIZE`` (default 64) and
+held several requests waits for as many callers to queue again (:func:`regroup`): a
+leader still alone goes after ``REGROUP_WAIT`` (1 ms: a lone call never waits longer);
+after a batch of two or three, 1 ms in all; after a batch of ``LOADED`` (4) or more,
+once others have queued, for as long as calls keep arriving (``REGROUP_GAP``, 2 ms,
+after the latest ends the wait), at most ``REGROUP_LIMIT`` (8 ms). The wait ends as
+soon as they are all back. A call the batch handed back (its home runner was held by
+another replica's batch, :mod:`.runner_locks`) is queued again before every later call,
+and its next batch waits for the runner. A caller interrupted while it waits or leads
+leaves the queue and passes the lead on. Settings: ``SECONDBOX_BATCH_SIZE`` (default 64) and
 ``SECONDBOX_BATCH_WAIT_MS`` (default 0: the regroup above; more: a leader waits that
 long for a full batch).
 """
@@ -35,28 +37,29 @@ DEFAULT_BATCH_WAIT = 0.0
 # Under load, the callers a batch answered come back together; the first of them would
 # lead a batch of one while the rest queue behind it (batches of 1, 15, 1, 15, ...).
 # So a leader whose previous batch held several requests waits for as many to queue
-# again. A lone call after a lone call never waits; after a batch of two or three, at
-# most REGROUP_WAIT. Under load (a batch of LOADED or more), the callers come back over
+# again. A lone call after a lone call never waits, and a leader that nobody joins goes
+# after REGROUP_WAIT. Under load (a batch of LOADED or more), the callers come back over
 # milliseconds (each thread must get a CPU: 1.9 ms median, 5.7 ms p90 in the bench), and
-# one that misses the batch waits for all of it (docs/performance.md): there the leader
-# waits while they keep arriving, up to REGROUP_LIMIT, and stops at a pause of
-# REGROUP_GAP (the load dropped).
+# one that misses the batch waits for all of it (docs/performance.md): there, once
+# others have joined, the leader waits while they keep arriving, up to REGROUP_LIMIT,
+# and stops when none came for REGROUP_GAP (the load dropped).
 REGROUP_WAIT = 0.001
 LOADED = 4
 REGROUP_GAP = 0.002
 REGROUP_LIMIT = 0.008
 
 
-def regroup(previous: int, size: int, wait: float) -> tuple[int, float, float]:
-    """How a leader waits before it takes its batch: (calls wanted, longest wait in all,
-    longest pause between two arrivals), after a batch of ``previous`` requests, with
-    the batch size and the configured longest wait (0: none configured)."""
+def regroup(previous: int, size: int, wait: float) -> tuple[int, float, float, float]:
+    """How a leader waits before it takes its batch, after a batch of ``previous``
+    requests, with the batch size and the configured longest wait (0: none configured):
+    (calls wanted, longest wait while alone, longest pause after the latest arrival once
+    joined, longest wait in all)."""
     if wait > 0:  # the configured wait, for a full batch
-        return size, wait, wait
+        return size, wait, wait, wait
     wanted = min(size, previous)
     if wanted >= LOADED:
-        return wanted, REGROUP_LIMIT, REGROUP_GAP
-    return wanted, REGROUP_WAIT, REGROUP_WAIT
+        return wanted, REGROUP_WAIT, REGROUP_GAP, REGROUP_LIMIT
+    return wanted, REGROUP_WAIT, REGROUP_WAIT, REGROUP_WAIT
 
 
 class _Slot:
@@ -91,21 +94,28 @@ class PlacementBatcher:
         self._arrived = threading.Condition(self._lock)  # a call queued (for the leader)
         self._busy = False
         self._last_size = 0  # requests in the previous batch
+        self._last_arrival = 0.0  # time.monotonic() of the latest call queued
+        self._wanted = 0  # while a leader regroups: the calls it waits for
 
     def schedule(self, request: ScheduleRequest) -> tuple[DurableAssignment, bool]:
         slot = _Slot(request)
         with self._arrived:
             self._queue.append(slot)
+            self._last_arrival = time.monotonic()
             if not self._busy:
                 self._busy = slot.lead = True
-            else:
-                self._arrived.notify()
-        while True:
-            if not slot.lead:
-                slot.wake.wait()
-            if slot.done:
-                break
-            self._lead()  # this caller leads the next batch (its own request is in it)
+            elif 0 < self._wanted <= len(self._queue):
+                self._arrived.notify()  # the regrouping leader has all it waits for
+        try:
+            while True:
+                if not slot.lead:
+                    slot.wake.wait()
+                if slot.done:
+                    break
+                self._lead()  # this caller leads the next batch (its own request is in it)
+        except BaseException:  # interrupted (not by the batch: its errors are answers)
+            self._abandon(slot)
+            raise
         outcome = slot.outcome
         if isinstance(outcome, BaseException):
             raise outcome
@@ -113,19 +123,16 @@ class PlacementBatcher:
         return outcome
 
     def _lead(self) -> None:
-        wanted, limit, gap = regroup(self._last_size, self.size, self.wait)
-        deadline = time.monotonic() + limit
         with self._arrived:
-            while len(self._queue) < wanted:
-                timeout = min(deadline - time.monotonic(), gap)
-                if timeout <= 0 or not self._arrived.wait(timeout):
-                    break  # the longest wait is over, or nobody came for ``gap``
+            self._regroup()
             batch = [self._queue.popleft() for _ in range(min(self.size, len(self._queue)))]
             self._last_size = len(batch)
         try:
             outcomes: Sequence[Outcome | BaseException | None] = self._run(
                 [s.request for s in batch], [not s.deferred for s in batch]
             )
+            if len(outcomes) != len(batch):
+                raise RuntimeError(f"{len(outcomes)} answers to a batch of {len(batch)}")
         except BaseException as error:  # the store failed: every caller of the batch hears it
             outcomes = [error] * len(batch)
         deferred = []
@@ -147,3 +154,37 @@ class PlacementBatcher:
         for slot in batch:
             if slot.done:
                 slot.wake.set()
+
+    def _regroup(self) -> None:
+        """Wait (holding ``self._lock`` only between wake-ups) for the calls
+        :func:`regroup` says, while they keep coming. Callers notify only once all are
+        queued; a timer wake-up with a later arrival waits on from that arrival."""
+        wanted, alone, gap, limit = regroup(self._last_size, self.size, self.wait)
+        start = time.monotonic()
+        deadline = start + limit
+        self._wanted = wanted
+        try:
+            while len(self._queue) < wanted:
+                pause = gap if len(self._queue) > 1 else alone
+                timeout = min(deadline, max(self._last_arrival, start) + pause) - time.monotonic()
+                if timeout <= 0:
+                    break  # the longest wait is over, or nobody came for ``pause``
+                self._arrived.wait(timeout)
+        finally:
+            self._wanted = 0
+
+    def _abandon(self, slot: _Slot) -> None:
+        """A caller interrupted while queued or leading (a KeyboardInterrupt, say): its
+        request leaves the queue, and if it held the lead, the lead passes on, so the
+        other callers are not left waiting for it."""
+        with self._lock:
+            if slot in self._queue:
+                self._queue.remove(slot)
+            if slot.lead and not slot.done:
+                slot.lead = False
+                if self._queue:
+                    successor = self._queue[0]
+                    successor.lead = True
+                    successor.wake.set()
+                else:
+                    self._busy = False

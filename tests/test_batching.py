@@ -353,6 +353,7 @@ class _Rounds:
 
     def play(self, clock: Clock, delays: Sequence[float]) -> dict[str, Any]:
         answers: dict[str, Any] = {}
+        deadline = time.monotonic() + 20
 
         def caller(n: int) -> None:
             answers[f"a{n}"] = self.batcher.schedule(schedule_request(f"a{n}", clock()))
@@ -361,36 +362,41 @@ class _Rounds:
                 answers[f"b{n}"] = self.batcher.schedule(schedule_request(f"b{n}", clock()))
 
         opener = threading.Thread(
-            target=lambda: self.batcher.schedule(schedule_request("opener", clock()))
+            target=lambda: self.batcher.schedule(schedule_request("opener", clock())),
+            daemon=True,  # a failing test leaves no thread behind to hold pytest
         )
         opener.start()
-        while not self.batches:
+        while not self.batches and time.monotonic() < deadline:
             time.sleep(0.001)
-        threads = [threading.Thread(target=caller, args=(n,)) for n in range(self.callers)]
+        threads = [
+            threading.Thread(target=caller, args=(n,), daemon=True) for n in range(self.callers)
+        ]
         for thread in threads:
             thread.start()
-        while len(self.batcher._queue) < self.callers:
+        while len(self.batcher._queue) < self.callers and time.monotonic() < deadline:
             time.sleep(0.001)
         self.first.set()
         for thread in [opener, *threads]:
-            thread.join(20)
+            thread.join(max(0.0, deadline - time.monotonic()))
+            assert not thread.is_alive(), "a caller was never answered"
         return answers
 
 
 def test_under_load_a_leader_waits_for_the_callers_of_its_previous_batch(
     clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The callers a batch of 8 answered come back one by one (here 30 ms apart, against
-    a pause limit widened to 0.5 s so that a slow machine cannot split them; the bench's
-    come back over a few ms): the next batch takes all 8, instead of leading with the
-    first one back and leaving the others a whole batch to wait."""
-    monkeypatch.setattr(batcher_module, "REGROUP_GAP", 0.5, raising=False)
-    monkeypatch.setattr(batcher_module, "REGROUP_LIMIT", 10.0, raising=False)
+    """The callers a batch of 8 answered come back one by one (30 ms apart, against waits
+    widened to 0.2 and 0.5 s so that a slow machine cannot split them; the bench's come
+    back over a few ms): the next batch takes all 8, instead of leading with the first
+    one back and leaving the others a whole batch to wait."""
+    monkeypatch.setattr(batcher_module, "REGROUP_WAIT", 0.2)
+    monkeypatch.setattr(batcher_module, "REGROUP_GAP", 0.5)
+    monkeypatch.setattr(batcher_module, "REGROUP_LIMIT", 5.0)
     rounds = _Rounds(8)
     answers = rounds.play(clock, [0.03 * n for n in range(8)])
     assert len(answers) == 16
     assert all(answers[k] == (k, True) for k in answers)
-    assert rounds.batches[1] == [f"a{n}" for n in range(8)]
+    assert sorted(rounds.batches[1]) == [f"a{n}" for n in range(8)]
     assert sorted(rounds.batches[2]) == [f"b{n}" for n in range(8)]
     assert len(rounds.batches) == 3
 
@@ -399,9 +405,9 @@ def test_a_pause_in_the_arrivals_ends_the_regroup_wait(
     clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Only 3 of the 8 callers come back: the leader stops waiting after a pause with no
-    arrival, not at the longest wait (an hour here: the test would time out)."""
-    monkeypatch.setattr(batcher_module, "REGROUP_GAP", 0.05, raising=False)
-    monkeypatch.setattr(batcher_module, "REGROUP_LIMIT", 3600.0, raising=False)
+    arrival, not at the longest wait (30 s here: the callers' joins would time out)."""
+    monkeypatch.setattr(batcher_module, "REGROUP_GAP", 0.05)
+    monkeypatch.setattr(batcher_module, "REGROUP_LIMIT", 30.0)
     rounds = _Rounds(8)
     answers = rounds.play(clock, [0.0, 0.0, 0.0])
     assert len(answers) == 11
@@ -410,9 +416,10 @@ def test_a_pause_in_the_arrivals_ends_the_regroup_wait(
 
 
 def test_how_long_a_leader_regroups() -> None:
-    """A lone call after a lone call never waits; after a batch of two or three, 1 ms at
-    most (the low-load promise); under load, while calls keep arriving; a configured
-    wait is for a full batch."""
+    """A lone call after a lone call never waits, and a leader nobody joins waits 1 ms at
+    most whatever came before (the low-load promise); after a batch of two or three, 1 ms
+    in all; under load, once joined, while calls keep arriving; a configured wait is for
+    a full batch."""
     regroup = batcher_module.regroup
     wait, gap, limit = (
         batcher_module.REGROUP_WAIT,
@@ -421,12 +428,70 @@ def test_how_long_a_leader_regroups() -> None:
     )
     assert regroup(0, 64, 0.0)[0] == 0
     assert regroup(1, 64, 0.0)[0] == 1  # itself, queued: no wait
-    assert regroup(3, 64, 0.0) == (3, wait, wait)
     assert wait <= 0.001
-    assert regroup(4, 64, 0.0) == (4, limit, gap)
+    assert regroup(3, 64, 0.0) == (3, wait, wait, wait)
+    assert regroup(4, 64, 0.0) == (4, wait, gap, limit)
     assert gap < limit
-    assert regroup(100, 64, 0.0) == (64, limit, gap)
-    assert regroup(1, 64, 0.005) == (64, 0.005, 0.005)
+    assert regroup(100, 64, 0.0) == (64, wait, gap, limit)
+    assert regroup(1, 64, 0.005) == (64, 0.005, 0.005, 0.005)
+
+
+def test_a_leader_that_nobody_joins_goes_after_the_first_wait(
+    clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a batch of 8, only one caller comes back: it goes alone after the first
+    wait (widened to 0.2 s here, against a longest wait of 30 s that would time out the
+    join), not after the pause or the longest wait meant for callers coming back."""
+    monkeypatch.setattr(batcher_module, "REGROUP_WAIT", 0.2)
+    monkeypatch.setattr(batcher_module, "REGROUP_GAP", 30.0)
+    monkeypatch.setattr(batcher_module, "REGROUP_LIMIT", 30.0)
+    rounds = _Rounds(8)
+    answers = rounds.play(clock, [0.0])
+    assert answers["b0"] == ("b0", True)
+    assert rounds.batches[2:] == [["b0"]]
+
+
+def test_an_interrupted_caller_leaves_the_queue_and_passes_the_lead_on(clock: Clock) -> None:
+    """A leader interrupted while it regroups (a KeyboardInterrupt raised in its wait)
+    leaves the queue and passes the lead on: the next call is answered. (Before, the
+    lead stayed with the interrupted caller, and every later call hung.)"""
+
+    def run(requests: Sequence[ScheduleRequest], _: Sequence[bool]) -> list[Any]:
+        return [(r.sandbox_id, True) for r in requests]
+
+    batcher = PlacementBatcher(run)
+    original = batcher._regroup
+    calls = [0]
+
+    def interrupted() -> None:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise KeyboardInterrupt
+        original()
+
+    batcher._regroup = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        batcher.schedule(schedule_request("s0", clock()))
+    assert not batcher._queue
+    done: list[Any] = []
+    thread = threading.Thread(
+        target=lambda: done.append(batcher.schedule(schedule_request("s1", clock()))),
+        daemon=True,
+    )
+    thread.start()
+    thread.join(10)
+    assert done == [("s1", True)]
+
+
+def test_a_batch_answered_with_too_few_outcomes_fails_every_caller_of_it(clock: Clock) -> None:
+    """A ``run`` that breaks its contract (one answer missing) fails the batch's callers
+    with an error that says so, and the batcher goes on."""
+    answers: list[list[Any]] = [[], [("s1", True)]]
+    batcher = PlacementBatcher(lambda requests, _: answers.pop(0))
+    with pytest.raises(RuntimeError, match="0 answers to a batch of 1"):
+        batcher.schedule(schedule_request("s0", clock()))
+    answer: Any = batcher.schedule(schedule_request("s1", clock()))
+    assert answer == ("s1", True)
 
 
 def test_a_batch_leaves_its_committed_runners_in_the_cache(
