@@ -145,12 +145,7 @@ class PlacementBatcher:
                 slot.outcome, slot.done = outcome, True
         with self._lock:
             self._queue.extendleft(reversed(deferred))
-            if self._queue:
-                successor = self._queue[0]
-                successor.lead = True
-                successor.wake.set()
-            else:
-                self._busy = False
+            self._pass_lead()
         for slot in batch:
             if slot.done:
                 slot.wake.set()
@@ -182,9 +177,13 @@ class PlacementBatcher:
                 self._queue.remove(slot)
             if slot.lead and not slot.done:
                 slot.lead = False
-                if self._queue:
-                    successor = self._queue[0]
-                    successor.lead = True
-                    successor.wake.set()
-                else:
-                    self._busy = False
+                self._pass_lead()
+
+    def _pass_lead(self) -> None:
+        """(Holding ``self._lock``.) The first caller queued leads next; none: idle."""
+        if self._queue:
+            successor = self._queue[0]
+            successor.lead = True
+            successor.wake.set()
+        else:
+            self._busy = False
