@@ -18,6 +18,8 @@ from secondbox_scheduler.infrastructure.bench import (
     evaluate_goals,
     print_report,
 )
+from secondbox_scheduler.infrastructure.bench.goals import GOAL_BATCHED
+from secondbox_scheduler.infrastructure.bench.workers import _arrivals
 from secondbox_scheduler.infrastructure.cli import cli
 from tests.postgres_server import PostgresServer
 
@@ -150,6 +152,12 @@ def test_quick_bench_on_sqlite_reports_every_section_and_goal(quick: QuickRun) -
     assert batched["batches"] >= 1
     assert 1 <= batched["batch_size_mean"] <= batched["batch_size_max"] <= 64
     assert report["raw_baseline"]["batched_aggregates"]["aggregates_per_transaction"] == 32
+    steady = report["batched_steady"]  # the open loop at the goal's rate
+    assert_throughput(steady, "placed")
+    one = report["raw_baseline"]["one_aggregate"]["transactions_per_second"]
+    assert steady["offered_per_second"] == pytest.approx(GOAL_BATCHED * one, rel=0.01)
+    assert steady["callers_per_worker"] == BenchSettings().open_loop_callers
+    assert 0 <= steady["late_starts"] <= steady["calls"]
     contended = report["contention_batched"]
     assert contended["hot_runner_state"]["oversubscribed_runners"] == 0
     assert contended["hot_runner_state"]["reservations_match_placements"]
@@ -208,7 +216,9 @@ def test_the_tables_show_every_measurement_and_goal(quick: QuickRun) -> None:
     console = Console(record=True, width=200)
     print_report(quick.report, console)
     text = console.export_text()
-    for heading in ("Throughput", "over HTTP", "Selection", "Loading a runner", "Replay", "Goals"):
+    for heading in (
+        "Throughput", "over HTTP", "open loop", "Selection", "Loading a runner", "Replay", "Goals",
+    ):  # fmt: skip
         assert heading in text
     for goal in GOALS:
         assert goal in text
@@ -248,3 +258,17 @@ def test_bench_history_subcommand_still_runs(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     assert [row["events"] for row in json.loads(result.stdout)["rows"]] == [10, 30]
+
+
+def test_open_loop_arrivals_are_a_seeded_poisson_stream() -> None:
+    """The open-loop run's requests arrive at the offered rate whatever the answers:
+    exponential gaps (mean 1/rate), increasing, the same for the same seed."""
+    arrivals = _arrivals(400.0, 20_000, seed=3)
+    assert arrivals == _arrivals(400.0, 20_000, seed=3)
+    assert arrivals != _arrivals(400.0, 20_000, seed=4)
+    gaps = [b - a for a, b in zip([0.0, *arrivals], arrivals, strict=False)]
+    assert all(gap > 0 for gap in gaps)
+    assert arrivals[-1] == pytest.approx(20_000 / 400.0, rel=0.03)  # the rate offered
+    # exponential, not even spacing: about 1 - 1/e of the gaps are below the mean
+    below = sum(gap < 1 / 400.0 for gap in gaps) / len(gaps)
+    assert below == pytest.approx(0.632, abs=0.02)

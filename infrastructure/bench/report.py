@@ -91,6 +91,20 @@ def throughput_table(report: dict[str, Any]) -> Table | None:
             _ratio(batched["per_second"] / one if one else None) + " of raw 1",
             _cpu(batched),
         )
+    steady = report.get("batched_steady")
+    if steady:
+        table.add_row(
+            f"batched, open loop: {steady['offered_per_second']:,.0f} requests/s arriving "
+            f"(mean batch {steady.get('batch_size_mean', 1)})",
+            f"{steady['per_second']:,.0f}",
+            _ms(steady["p50_ms"]),
+            _ms(steady["p95_ms"]),
+            _ms(steady["p99_ms"]),
+            f"{steady['retries_per_call']:.3f}",
+            str(steady["contention_errors"]),
+            _ratio(steady["per_second"] / one if one else None) + " of raw 1",
+            _cpu(steady),
+        )
     contended = report.get("contention_batched")
     if contended:
         uncontended = batched["per_second"] if batched else None
@@ -152,6 +166,14 @@ def _throughput_caption(report: dict[str, Any]) -> str:
         notes.append(
             "over HTTP: one client process per serve process, latency measured by the client "
             "(request sent to answer parsed: loopback HTTP, uvicorn, FastAPI, JSON)"
+        )
+    steady = report.get("batched_steady")
+    if steady:
+        notes.append(
+            "batched, open loop: requests arrive at the goal's rate (1.5 x raw 1, a Poisson "
+            "stream) whether or not earlier ones were answered, each timed from its "
+            f"arrival (queueing included); {steady['late_starts']:,} of {steady['calls']:,} "
+            "found every caller busy"
         )
     contention = report.get("contention")
     if contention:

@@ -16,7 +16,7 @@ from secondbox_scheduler.infrastructure.bench.database import (
     machine_info,
 )
 from secondbox_scheduler.infrastructure.bench.errors import BenchError
-from secondbox_scheduler.infrastructure.bench.goals import evaluate_goals
+from secondbox_scheduler.infrastructure.bench.goals import GOAL_BATCHED, evaluate_goals
 from secondbox_scheduler.infrastructure.bench.history import measure_history_section
 from secondbox_scheduler.infrastructure.bench.over_http import measure_http
 from secondbox_scheduler.infrastructure.bench.replay import measure_replay
@@ -97,6 +97,16 @@ def run_bench(
                         pool, app, env, settings, 3 * rate, progress,
                         threads=settings.callers, pool_name="batched",
                     )  # fmt: skip
+                    if "raw" in wanted:  # latency at the goal's rate: needs the raw rate
+                        offered = (
+                            GOAL_BATCHED
+                            * (report["raw_baseline"]["one_aggregate"]["transactions_per_second"])
+                        )
+                        report["batched_steady"] = measure_placement(
+                            pool, app, env, settings, offered, progress,
+                            threads=settings.open_loop_callers, pool_name="steady",
+                            offered_per_second=offered,
+                        )  # fmt: skip
                     report["contention_batched"] = measure_contention(
                         pool, app, env, settings, progress,
                         threads=settings.callers, pool_name="hotbatch",

@@ -35,6 +35,9 @@ class BenchSettings:
     contention_sandboxes: int = 3000  # a fixed amount of work, comparable across runs
     raw_batch: int = 32  # new aggregates per transaction of the batched raw baseline
     callers: int = 16  # concurrent schedule callers per worker of the batched runs
+    # callers per worker of the open-loop batched run (enough that arrivals never wait
+    # for one while the scheduler keeps up; those that do are counted as late starts)
+    open_loop_callers: int = 64
     selection_sizes: tuple[int, ...] = (100, 1_000, 10_000)
     select_calls: tuple[int, ...] = (50, 20, 5)
     create_calls: tuple[int, ...] = (20, 10, 5)

@@ -93,16 +93,23 @@ def measure_placement(
     *,
     threads: int = 1,
     pool_name: str = "place",
+    offered_per_second: float | None = None,
 ) -> dict[str, Any]:
     """Placements over a roomy pool: ``threads`` concurrent callers per worker (1: one
-    call at a time, so every batch holds one request; more: the batcher groups them)."""
+    call at a time, so every batch holds one request; more: the batcher groups them).
+    With ``offered_per_second`` the run is an open loop: requests arrive at that rate
+    over all workers whether or not the earlier ones were answered (``threads`` callers
+    per worker take them), each timed from its arrival."""
     count = math.ceil(expected_rate * settings.placement_seconds * 1.5) + 50 * settings.workers
     progress(f"{pool_name}: registering {settings.runners:,} runners, creating {count:,} sandboxes")
     homes = _homed_sandboxes(app, settings, pool_name, count, now())
-    progress(
-        f"{pool_name}: {settings.workers} workers x {threads} callers "
-        f"for {settings.placement_seconds:g}s"
+    load = (
+        f"{offered_per_second:,.0f} requests/s arriving (open loop), {threads} callers/worker"
+        if offered_per_second
+        else f"{threads} callers"
     )
+    seconds = settings.placement_seconds
+    progress(f"{pool_name}: {settings.workers} workers x {load} for {seconds:g}s")
     jobs: list[Job] = [
         ScheduleJob(
             env=env,
@@ -113,14 +120,21 @@ def measure_placement(
             seed=settings.seed,
             serialization_retry_limit=SERIALIZATION_RETRY_LIMIT,
             threads=threads,
+            offered_per_second=(
+                offered_per_second / settings.workers if offered_per_second else None
+            ),
         )
         for ids in _spread(list(homes), settings.workers)
     ]
     progress(f"{pool_name}: settling the database ({settle(env)})")
-    summary = summarize(pool.run(jobs))
+    results = pool.run(jobs)
+    summary = summarize(results)
     summary["runners"] = settings.runners
     summary["callers_per_worker"] = threads
     summary["sandboxes_prepared"] = count
+    if offered_per_second:
+        summary["offered_per_second"] = round(offered_per_second, 1)
+        summary["late_starts"] = sum(result.late_starts for result in results)
     return summary
 
 

@@ -20,6 +20,7 @@ import math
 import multiprocessing
 import os
 import queue
+import random
 import threading
 import time
 import traceback
@@ -55,6 +56,7 @@ from secondbox_scheduler.infrastructure.settings import DATABASE_URL, settings_f
 PAYLOAD = "x" * 256  # the raw event's payload: a small event, as a placement's are a few KB
 WARM_UP_SAVES = 3
 BARRIER_TIMEOUT = 900.0  # seconds a worker waits for the others to finish preparing
+LATE_MS = 5.0  # open loop: a call sent this long after its arrival found every caller busy
 
 
 class RawRecord(Aggregate):
@@ -110,6 +112,10 @@ class ScheduleJob:
     seed: int
     serialization_retry_limit: int
     threads: int = 1
+    # open loop: requests arrive at this rate (a Poisson process, seeded) whether or not
+    # earlier ones were answered, and each is timed from its arrival, not from when a
+    # caller thread got to it (so a backlog shows in the latency); None: closed loop
+    offered_per_second: float | None = None
 
 
 @dataclass(frozen=True)
@@ -146,6 +152,7 @@ class WorkerResult:
     prepare_seconds: float = 0.0
     machine_cpu: tuple[float, float] = (0.0, 0.0)  # busy and total CPU seconds, run window
     batch_sizes: dict[int, int] = field(default_factory=dict)  # placement batches by size
+    late_starts: int = 0  # open loop: calls sent more than LATE_MS after their arrival
 
 
 def machine_cpu_seconds() -> tuple[float, float]:
@@ -248,24 +255,45 @@ def _run_schedule(
     latencies: list[float] = []
     lock = threading.Lock()
     remaining = deque(job.sandbox_ids)
+    # open loop: every request's arrival, seconds after the start
+    arrivals = (
+        deque(_arrivals(job.offered_per_second, len(job.sandbox_ids), job.seed + index))
+        if job.offered_per_second
+        else None
+    )
+    late = [0]
     barrier.wait(BARRIER_TIMEOUT)
     cpu_before = machine_cpu_seconds()
     started = time.perf_counter()
     deadline = math.inf if job.seconds is None else started + job.seconds
     last = [started]
 
+    def next_call() -> tuple[str, float] | None:
+        """The next sandbox and when its request arrives (now, in a closed loop)."""
+        with lock:
+            if not remaining:
+                return None
+            due = time.perf_counter() if arrivals is None else started + arrivals.popleft()
+            if due >= deadline:
+                return None
+            return remaining.popleft(), due
+
     def caller() -> None:
-        while True:
-            with lock:
-                if not remaining or time.perf_counter() >= deadline:
-                    return
-                sandbox_id = remaining.popleft()
+        while (call := next_call()) is not None:
+            sandbox_id, due = call
+            wait = due - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            elif -wait * 1000.0 > LATE_MS:
+                with lock:
+                    late[0] += 1
             # built when sent, as a client does: its times are checked against the clock
             request = schedule_request(
                 sandbox_id, requirements, datetime.now(UTC), seed=job.seed,
                 serialization_retry_limit=job.serialization_retry_limit,
             )  # fmt: skip
-            before = time.perf_counter()
+            if arrivals is None:  # closed loop: timed from the send
+                due = time.perf_counter()
             try:
                 _, created = app.schedule(request)
                 outcome = "placed" if created else "replayed"
@@ -279,7 +307,7 @@ def _run_schedule(
             with lock:
                 outcomes[outcome] += 1
                 if outcome == "placed":
-                    latencies.append((finished - before) * 1000.0)
+                    latencies.append((finished - due) * 1000.0)
                 last[0] = max(last[0], finished)
 
     threads = [threading.Thread(target=caller) for _ in range(max(1, job.threads))]
@@ -301,7 +329,19 @@ def _run_schedule(
         prepare_seconds=prepare_seconds,
         machine_cpu=_cpu_window(index, cpu_before),
         batch_sizes={size: count for size, count in batches.items() if count},
+        late_starts=late[0],
     )
+
+
+def _arrivals(per_second: float, count: int, seed: int) -> list[float]:
+    """``count`` arrival times (seconds from the start) of a Poisson process of rate
+    ``per_second``: exponential gaps, seeded, so runs are repeatable."""
+    rng = random.Random(seed)
+    at, times = 0.0, []
+    for _ in range(count):
+        at += rng.expovariate(per_second)
+        times.append(at)
+    return times
 
 
 def _run_row_lock(
