@@ -33,6 +33,7 @@ from secondbox_scheduler.domain.values import (
     DRAIN_PHASE_DRAINING,
     Capacity,
     RunnerSnapshot,
+    trusted,
 )
 
 
@@ -334,19 +335,28 @@ def runner_snapshot(runner: RunnerState, lease: LeaseState | None) -> RunnerSnap
     validation). The runner snapshots projection decodes its rows in
     ``projections.runner_snapshots.row_to_snapshot`` instead: a row is that projection's
     own column layout, not runner state."""
-    return RunnerSnapshot.model_construct(
-        id=runner.runner_id,
-        pool_name=runner.pool_name,
-        backend_kind=runner.backend_kind,
-        architecture=runner.architecture,
-        capabilities=frozenset(runner.capabilities),
-        allocatable=Capacity.of(runner.allocatable),
-        reserved=Capacity.of(runner.reserved),
-        drain_phase=runner.drain_phase,
-        last_heartbeat_at=lease.last_heartbeat_at if lease else None,
-        artifact_digests=tuple(lease.artifact_digests) if lease else (),
-        materializations=materialization_snapshots(lease.materializations) if lease else (),
-        supported_egress_contexts=tuple(runner.supported_egress_contexts),
-        guest_protocol_minimum=runner.guest_protocol_minimum,
-        guest_protocol_maximum=runner.guest_protocol_maximum,
+    return trusted(  # every field, in the model's order (``RunnerSnapshot.model_construct``)
+        RunnerSnapshot,
+        _SNAPSHOT_FIELDS,
+        {
+            "id": runner.runner_id,
+            "pool_name": runner.pool_name,
+            "backend_kind": runner.backend_kind,
+            "architecture": runner.architecture,
+            "capabilities": frozenset(runner.capabilities),
+            "allocatable": Capacity.of(runner.allocatable),
+            "reserved": Capacity.of(runner.reserved),
+            "drain_phase": runner.drain_phase,
+            "last_heartbeat_at": lease.last_heartbeat_at if lease else None,
+            "artifact_digests": tuple(lease.artifact_digests) if lease else (),
+            "materializations": (
+                materialization_snapshots(lease.materializations) if lease else ()
+            ),
+            "supported_egress_contexts": tuple(runner.supported_egress_contexts),
+            "guest_protocol_minimum": runner.guest_protocol_minimum,
+            "guest_protocol_maximum": runner.guest_protocol_maximum,
+        },
     )
+
+
+_SNAPSHOT_FIELDS = frozenset(RunnerSnapshot.model_fields)

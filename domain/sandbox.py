@@ -359,7 +359,10 @@ class Sandbox(Aggregate):
         if token in self.legacy_tokens:
             raise InvalidRequestError("fencing_token", TOKEN_REUSED)
         assert request.now is not None
-        requirements = self.pinned_requirements()
+        # check_pinned found the request's requirements to be the pinned record: the
+        # request's value is the pinned one (a record parses back to the value it was
+        # dumped from), without parsing the record again
+        requirements = request.requirements
         select_home_runner(
             self.home_runner_id, requirements, [runner], request.now, request.heartbeat_timeout
         )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any, ClassVar, Self
+from typing import Annotated, Any, ClassVar, Self, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -137,6 +137,23 @@ def invalid_request_from(model: str, error: ValidationError) -> InvalidRequestEr
     return InvalidRequestError(field, f"{first['msg']} ({model})", first.get("input"))
 
 
+M = TypeVar("M", bound=BaseModel)
+
+
+def trusted(model: type[M], fields: frozenset[str], values: dict[str, Any]) -> M:
+    """``model.model_construct(**values)`` for values that set every field, in the
+    model's field order, without its per-field work (a tenth of the time): the same
+    ``__dict__`` (in that order, which a dump follows), fields set, no extra, no private
+    values. For models without aliases, private attributes or ``model_post_init``
+    (``tests/test_whatif.py`` checks that both build equal objects)."""
+    built = object.__new__(model)
+    object.__setattr__(built, "__dict__", values)
+    object.__setattr__(built, "__pydantic_fields_set__", set(fields))
+    object.__setattr__(built, "__pydantic_extra__", None)
+    object.__setattr__(built, "__pydantic_private__", None)
+    return built
+
+
 class Value(BaseModel):
     """Frozen value type whose validation errors are :class:`InvalidRequestError`.
 
@@ -191,13 +208,21 @@ class Capacity(Value):
     @classmethod
     def of(cls, amounts: Mapping[str, int]) -> Capacity:
         """Trusted construction from a dimension mapping (no validation)."""
-        return cls.model_construct(
-            vcpu_count=int(amounts.get("vcpu_count", 0)),
-            memory_bytes=int(amounts.get("memory_bytes", 0)),
-            disk_bytes=int(amounts.get("disk_bytes", 0)),
-            instances=int(amounts.get("instances", 0)),
-            operations=int(amounts.get("operations", 0)),
+        get = amounts.get
+        return trusted(
+            cls,
+            _CAPACITY_FIELDS,
+            {
+                "vcpu_count": int(get("vcpu_count", 0)),
+                "memory_bytes": int(get("memory_bytes", 0)),
+                "disk_bytes": int(get("disk_bytes", 0)),
+                "instances": int(get("instances", 0)),
+                "operations": int(get("operations", 0)),
+            },
         )
+
+
+_CAPACITY_FIELDS = frozenset(Capacity.model_fields)
 
 
 class Requirements(Value):

@@ -15,9 +15,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from datetime import datetime
-from typing import Any, TypeVar
-
-from pydantic import BaseModel
+from typing import Any
 
 from secondbox_scheduler.domain.placement import checked_dimensions
 from secondbox_scheduler.domain.values import (
@@ -26,26 +24,14 @@ from secondbox_scheduler.domain.values import (
     Capacity,
     MaterializationSnapshot,
     RunnerSnapshot,
+    trusted,
 )
 from secondbox_scheduler.domain.whatif_usage import PoolUsage
 
 DIMENSIONS = Capacity.DIMENSIONS
 LeaseView = tuple[datetime | None, tuple[str, ...], tuple[MaterializationSnapshot, ...]]
-M = TypeVar("M", bound=BaseModel)
 _SNAPSHOT_FIELDS = frozenset(RunnerSnapshot.model_fields)
 _CAPACITY_FIELDS = frozenset(Capacity.model_fields)
-
-
-def trusted(model: type[M], fields: frozenset[str], values: dict[str, Any]) -> M:
-    """``model.model_construct(**values)`` for values that set every field, without its
-    per-field work (a tenth of the time): the replay builds a snapshot every time a
-    runner changes. ``tests/test_whatif.py`` checks that both build equal objects."""
-    built = object.__new__(model)
-    object.__setattr__(built, "__dict__", values)
-    object.__setattr__(built, "__pydantic_fields_set__", set(fields))
-    object.__setattr__(built, "__pydantic_extra__", None)
-    object.__setattr__(built, "__pydantic_private__", None)
-    return built
 
 
 def capacity_of(amounts: Mapping[str, int]) -> Capacity:

@@ -62,6 +62,32 @@ def regroup(previous: int, size: int, wait: float) -> tuple[int, float, float, f
     return wanted, REGROUP_WAIT, REGROUP_WAIT, REGROUP_WAIT
 
 
+class _Signal:
+    """A one-way wake-up on a bare lock (``threading.Event`` is a condition variable,
+    a lock and a list of waiters in Python: several times the work per call)."""
+
+    __slots__ = ("_lock", "_set")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._set = False
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            self._lock.release()
+
+    def clear(self) -> None:
+        if self._set:
+            self._lock.acquire()
+            self._set = False
+
+    def wait(self) -> None:
+        self._lock.acquire()
+        self._lock.release()
+
+
 class _Slot:
     """One queued call: its request, then its answer or the lead."""
 
@@ -73,7 +99,7 @@ class _Slot:
         self.done = False
         self.lead = False
         self.deferred = False  # once deferred, its next batch waits for its runner
-        self.wake = threading.Event()
+        self.wake = _Signal()
 
 
 class PlacementBatcher:
