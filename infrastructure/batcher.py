@@ -14,7 +14,8 @@ after the latest ends the wait), at most ``REGROUP_LIMIT`` (8 ms). The wait ends
 soon as they are all back. A call the batch handed back (its home runner was held by
 another replica's batch, :mod:`.runner_locks`) is queued again before every later call,
 and its next batch waits for the runner. A caller interrupted while it waits or leads
-leaves the queue and passes the lead on. Settings: ``SECONDBOX_BATCH_SIZE`` (default 64) and
+leaves the queue and passes the lead on (its request, if a batch being run defers it, is
+not queued again). Settings: ``SECONDBOX_BATCH_SIZE`` (default 64) and
 ``SECONDBOX_BATCH_WAIT_MS`` (default 0: the regroup above; more: a leader waits that
 long for a full batch).
 """
@@ -64,7 +65,10 @@ def regroup(previous: int, size: int, wait: float) -> tuple[int, float, float, f
 
 class _Signal:
     """A one-way wake-up on a bare lock (``threading.Event`` is a condition variable,
-    a lock and a list of waiters in Python: several times the work per call)."""
+    a lock and a list of waiters in Python: several times the work per call). Unlike an
+    Event it must not be set by two threads at once (both could release the lock): a
+    slot is woken by the one thread that passes it the lead (holding the batcher's lock)
+    or by the leader of the one batch that answered it."""
 
     __slots__ = ("_lock", "_set")
 
@@ -91,10 +95,11 @@ class _Signal:
 class _Slot:
     """One queued call: its request, then its answer or the lead."""
 
-    __slots__ = ("deferred", "done", "lead", "outcome", "request", "wake")
+    __slots__ = ("abandoned", "deferred", "done", "lead", "outcome", "request", "wake")
 
     def __init__(self, request: ScheduleRequest) -> None:
         self.request = request
+        self.abandoned = False  # its caller was interrupted: never queued again
         self.outcome: Outcome | BaseException | None = None
         self.done = False
         self.lead = False
@@ -161,7 +166,7 @@ class PlacementBatcher:
                 raise RuntimeError(f"{len(outcomes)} answers to a batch of {len(batch)}")
         except BaseException as error:  # the store failed: every caller of the batch hears it
             outcomes = [error] * len(batch)
-        deferred = []
+        deferred, answered = [], []
         for slot, outcome in zip(batch, outcomes, strict=True):
             if outcome is None:  # its runner was busy: first in the next batch
                 slot.deferred, slot.lead = True, False
@@ -169,12 +174,13 @@ class PlacementBatcher:
                 deferred.append(slot)
             else:
                 slot.outcome, slot.done = outcome, True
+                answered.append(slot)
         with self._lock:
-            self._queue.extendleft(reversed(deferred))
+            self._queue.extendleft(reversed([s for s in deferred if not s.abandoned]))
             self._pass_lead()
-        for slot in batch:
-            if slot.done:
-                slot.wake.set()
+        # only the slots this batch answered: a deferred one is the next leader's to wake
+        for slot in answered:
+            slot.wake.set()
 
     def _regroup(self) -> None:
         """Wait (holding ``self._lock`` only between wake-ups) for the calls
@@ -199,6 +205,7 @@ class PlacementBatcher:
         request leaves the queue, and if it held the lead, the lead passes on, so the
         other callers are not left waiting for it."""
         with self._lock:
+            slot.abandoned = True  # in a batch being run: not queued again if deferred
             if slot in self._queue:
                 self._queue.remove(slot)
             if slot.lead and not slot.done:

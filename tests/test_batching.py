@@ -689,3 +689,116 @@ def test_an_error_between_the_insert_and_the_commit_stores_nothing(
         assert verify(app, measure_raw=False).ok
     finally:
         app.close()
+
+
+def test_a_leader_wakes_only_the_callers_its_own_batch_answered(
+    monkeypatch: pytest.MonkeyPatch, clock: Clock
+) -> None:
+    """Found by review: a leader's last loop woke every slot of its batch it found
+    answered, a deferred one too, which the next leader had answered and woken
+    meanwhile; a wake-up is a bare lock, and two threads setting it at once could
+    release it twice (an error to one caller, the rest of its batch never woken). Here
+    the first leader is held in its last loop until the next one has woken the
+    deferred caller: it must not wake that caller again."""
+    made: list[Any] = []
+    woken = threading.Event()
+    sets: list[tuple[str, int]] = []
+
+    class Recording(batcher_module._Signal):
+        def __init__(self) -> None:
+            super().__init__()
+            made.append(self)
+
+        def set(self) -> None:
+            who, index = threading.current_thread().name, made.index(self)
+            sets.append((who, index))
+            if (who, index) == ("a", 0):  # the first leader waking its own caller
+                assert woken.wait(10)
+            super().set()
+            if (who, index) == ("b", 1):  # the next leader woke the deferred caller
+                woken.set()
+
+    monkeypatch.setattr(batcher_module, "_Signal", Recording)
+
+    def run(requests: Sequence[ScheduleRequest], deferrable: Sequence[bool]) -> list[Any]:
+        names = [r.sandbox_id for r in requests]
+        if names == ["a", "b"]:
+            return [("a", True), None]  # b's runner was busy: deferred
+        return [(name, True) for name in names]
+
+    batcher = PlacementBatcher(run, size=2, wait=0.3)  # a waits for b: one batch of both
+    answers: dict[str, Any] = {}
+    threads = {
+        name: threading.Thread(
+            target=lambda n=name: answers.update(
+                {n: batcher.schedule(schedule_request(n, clock()))}
+            ),
+            name=name,
+            daemon=True,
+        )
+        for name in ("a", "b")
+    }
+    threads["a"].start()
+    while not made:
+        time.sleep(0.001)
+    threads["b"].start()
+    deadline = time.monotonic() + 20
+    for thread in threads.values():
+        thread.join(max(0.0, deadline - time.monotonic()))
+        assert not thread.is_alive()
+    assert answers == {"a": ("a", True), "b": ("b", True)}
+    assert sets.count(("a", 1)) == 1  # a passed b the lead, and woke it no more
+
+
+def test_an_interrupted_caller_whose_request_is_deferred_is_not_queued_again(
+    monkeypatch: pytest.MonkeyPatch, clock: Clock
+) -> None:
+    """Found by review (older than the review's change): a caller interrupted while its
+    request was in a batch being run left nothing to undo; the batch then deferred it,
+    the dead call went back to the head of the queue and was handed the lead, which
+    nobody took: every later call waited for ever."""
+
+    class Interrupted(BaseException):
+        pass
+
+    in_run, gone = threading.Event(), threading.Event()
+
+    class Interruptible(batcher_module._Signal):
+        def wait(self) -> None:
+            if threading.current_thread().name == "b":
+                assert in_run.wait(10)
+                raise Interrupted  # as a KeyboardInterrupt in a waiting caller would
+            super().wait()
+
+    monkeypatch.setattr(batcher_module, "_Signal", Interruptible)
+
+    def run(requests: Sequence[ScheduleRequest], deferrable: Sequence[bool]) -> list[Any]:
+        names = [r.sandbox_id for r in requests]
+        if names == ["a", "b"]:
+            in_run.set()
+            assert gone.wait(10)  # b's caller left before its batch answered
+            return [("a", True), None]  # and its runner was busy: deferred
+        return [(name, True) for name in names]
+
+    batcher = PlacementBatcher(run, size=2, wait=0.3)
+    answers: dict[str, Any] = {}
+
+    def call(name: str) -> None:
+        try:
+            answers[name] = batcher.schedule(schedule_request(name, clock()))
+        except Interrupted:
+            answers[name] = "interrupted"
+            gone.set()
+
+    first = [threading.Thread(target=call, args=(n,), name=n, daemon=True) for n in "ab"]
+    first[0].start()
+    time.sleep(0.05)
+    first[1].start()
+    for thread in first:
+        thread.join(20)
+        assert not thread.is_alive()
+    later = threading.Thread(target=call, args=("c",), name="c", daemon=True)
+    later.start()
+    later.join(20)
+    assert not later.is_alive(), "a later call waited for the interrupted one's lead"
+    assert answers == {"a": ("a", True), "b": "interrupted", "c": ("c", True)}

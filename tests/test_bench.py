@@ -3,24 +3,39 @@
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 import pytest
 from rich.console import Console
 from typer.testing import CliRunner, Result
 
+from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.bench import (
     SECTIONS,
     BenchSettings,
     evaluate_goals,
     print_report,
 )
+from secondbox_scheduler.infrastructure.bench.fleet import (
+    bench_requirements,
+    create_homed_sandboxes,
+    register_fleet,
+    roomy_fleet,
+)
 from secondbox_scheduler.infrastructure.bench.goals import GOAL_BATCHED
-from secondbox_scheduler.infrastructure.bench.workers import _arrivals
+from secondbox_scheduler.infrastructure.bench.workers import (
+    ScheduleJob,
+    _arrivals,
+    _run_schedule,
+    _WorkerState,
+)
 from secondbox_scheduler.infrastructure.cli import cli
+from secondbox_scheduler.infrastructure.settings import DATABASE_URL
 from tests.postgres_server import PostgresServer
 
 GOALS = {
@@ -272,3 +287,33 @@ def test_open_loop_arrivals_are_a_seeded_poisson_stream() -> None:
     # exponential, not even spacing: about 1 - 1/e of the gaps are below the mean
     below = sum(gap < 1 / 400.0 for gap in gaps) / len(gaps)
     assert below == pytest.approx(0.632, abs=0.02)
+
+
+def test_the_open_loop_times_each_request_from_its_arrival(tmp_path: Path) -> None:
+    """Found by review: the tests passed with the open loop replaced by a closed one.
+    Forty requests all arrive at once (100,000/s) and one caller answers them one after
+    another: each is timed from its arrival, so the last waited for nearly the whole
+    run (a closed loop times each from its send: a single call), and most start late."""
+    env = {DATABASE_URL: f"sqlite:///{tmp_path / 'open.db'}"}
+    app = SchedulerApplication(env=env)
+    at = datetime.now(UTC)
+    fleet = roomy_fleet("open", 4, instances=1000)
+    snapshots = register_fleet(app, fleet, at)
+    ids = [f"open-{index:04d}" for index in range(40)]
+    homes = [(s, snapshots[fleet[i % len(fleet)].runner_id]) for i, s in enumerate(ids)]
+    create_homed_sandboxes(app, homes, bench_requirements("open"), at)
+    app.close()
+    job = ScheduleJob(
+        env=env, pool_name="open", sandbox_ids=tuple(ids),
+        warm_runner_ids=tuple(spec.runner_id for spec in fleet), seconds=60.0, seed=1,
+        serialization_retry_limit=8, threads=1, offered_per_second=100_000.0,
+    )  # fmt: skip
+    state = _WorkerState()
+    try:
+        result = _run_schedule(0, job, state, cast(Any, threading.Barrier(1)))
+    finally:
+        state.close()
+    assert result.outcomes == {"placed": 40}
+    span_ms = (result.finished - result.started) * 1000.0
+    assert max(result.latencies_ms) >= 0.8 * span_ms
+    assert result.late_starts >= 30

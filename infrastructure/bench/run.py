@@ -97,11 +97,9 @@ def run_bench(
                         pool, app, env, settings, 3 * rate, progress,
                         threads=settings.callers, pool_name="batched",
                     )  # fmt: skip
-                    if "raw" in wanted:  # latency at the goal's rate: needs the raw rate
-                        offered = (
-                            GOAL_BATCHED
-                            * (report["raw_baseline"]["one_aggregate"]["transactions_per_second"])
-                        )
+                    one = report.get("raw_baseline", {}).get("one_aggregate", {})
+                    offered = GOAL_BATCHED * one.get("transactions_per_second", 0.0)
+                    if offered > 0:  # latency at the goal's rate: needs the raw rate
                         report["batched_steady"] = measure_placement(
                             pool, app, env, settings, offered, progress,
                             threads=settings.open_loop_callers, pool_name="steady",
