@@ -337,7 +337,6 @@ def runner_snapshot(runner: RunnerState, lease: LeaseState | None) -> RunnerSnap
     own column layout, not runner state."""
     return trusted(  # every field, in the model's order (``RunnerSnapshot.model_construct``)
         RunnerSnapshot,
-        _SNAPSHOT_FIELDS,
         {
             "id": runner.runner_id,
             "pool_name": runner.pool_name,
@@ -357,6 +356,3 @@ def runner_snapshot(runner: RunnerState, lease: LeaseState | None) -> RunnerSnap
             "guest_protocol_maximum": runner.guest_protocol_maximum,
         },
     )
-
-
-_SNAPSHOT_FIELDS = frozenset(RunnerSnapshot.model_fields)

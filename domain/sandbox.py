@@ -63,14 +63,6 @@ from secondbox_scheduler.domain.reconcile import (
 from secondbox_scheduler.domain.values import Requirements, RunnerSnapshot, ScheduleRequest
 
 TOKEN_REUSED = "must differ from every earlier token of this sandbox"
-# Parsed pinned requirements by the id of the record parsed (which the entry holds, so
-# the id cannot be reused while the entry lives): see Sandbox.pinned_requirements.
-# Small: a placement batch reads its sandboxes afresh (one record each, parsed once),
-# and 10,000 entries kept 100,000 objects alive that every young garbage collection
-# walked (docs/performance.md, "Tail latency"); a cached sandbox placed again is the
-# case it serves.
-_PINNED: dict[int, tuple[dict[str, Any], Requirements]] = {}
-_PINNED_LIMIT = 256
 
 
 class Sandbox(Aggregate):
@@ -300,20 +292,6 @@ class Sandbox(Aggregate):
         if generation is not None and generation != self.generation:
             return None
         return self.current
-
-    def pinned_requirements(self) -> Requirements:
-        """The pinned requirements as a value. Parsed once per stored record: the copies
-        a command works on share the record (see ``__deepcopy__``), so the parsed value
-        is kept beside the very dict it was parsed from, never in the state."""
-        record = self.requirements
-        cached = _PINNED.get(id(record))
-        if cached is not None and cached[0] is record:
-            return cached[1]
-        parsed = Requirements.from_record(record)
-        if len(_PINNED) >= _PINNED_LIMIT:
-            _PINNED.clear()
-        _PINNED[id(record)] = (record, parsed)
-        return parsed
 
     # -- commands -------------------------------------------------------------
 

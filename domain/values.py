@@ -140,15 +140,16 @@ def invalid_request_from(model: str, error: ValidationError) -> InvalidRequestEr
 M = TypeVar("M", bound=BaseModel)
 
 
-def trusted(model: type[M], fields: frozenset[str], values: dict[str, Any]) -> M:
+def trusted(model: type[M], values: dict[str, Any]) -> M:
     """``model.model_construct(**values)`` for values that set every field, in the
     model's field order, without its per-field work (a tenth of the time): the same
-    ``__dict__`` (in that order, which a dump follows), fields set, no extra, no private
-    values. For models without aliases, private attributes or ``model_post_init``
-    (``tests/test_whatif.py`` checks that both build equal objects)."""
+    ``__dict__`` (in that order, which a dump follows), fields set (all of them: the
+    keys of ``values``), no extra, no private values. For models without aliases,
+    private attributes or ``model_post_init`` (``tests/test_whatif.py`` and
+    ``tests/test_trusted_values.py`` check that both build equal objects)."""
     built = object.__new__(model)
     object.__setattr__(built, "__dict__", values)
-    object.__setattr__(built, "__pydantic_fields_set__", set(fields))
+    object.__setattr__(built, "__pydantic_fields_set__", set(values))
     object.__setattr__(built, "__pydantic_extra__", None)
     object.__setattr__(built, "__pydantic_private__", None)
     return built
@@ -211,7 +212,6 @@ class Capacity(Value):
         get = amounts.get
         return trusted(
             cls,
-            _CAPACITY_FIELDS,
             {
                 "vcpu_count": int(get("vcpu_count", 0)),
                 "memory_bytes": int(get("memory_bytes", 0)),
@@ -220,9 +220,6 @@ class Capacity(Value):
                 "operations": int(get("operations", 0)),
             },
         )
-
-
-_CAPACITY_FIELDS = frozenset(Capacity.model_fields)
 
 
 class Requirements(Value):

@@ -30,13 +30,11 @@ from secondbox_scheduler.domain.whatif_usage import PoolUsage
 
 DIMENSIONS = Capacity.DIMENSIONS
 LeaseView = tuple[datetime | None, tuple[str, ...], tuple[MaterializationSnapshot, ...]]
-_SNAPSHOT_FIELDS = frozenset(RunnerSnapshot.model_fields)
-_CAPACITY_FIELDS = frozenset(Capacity.model_fields)
 
 
 def capacity_of(amounts: Mapping[str, int]) -> Capacity:
     """A :class:`Capacity` of trusted amounts (every dimension present)."""
-    return trusted(Capacity, _CAPACITY_FIELDS, {dim: amounts[dim] for dim in DIMENSIONS})
+    return trusted(Capacity, {dim: amounts[dim] for dim in DIMENSIONS})
 
 
 class Lease:
@@ -126,7 +124,7 @@ class FleetRunner:
             "guest_protocol_minimum": self.minimum,
             "guest_protocol_maximum": self.maximum,
         }
-        snapshot = trusted(RunnerSnapshot, _SNAPSHOT_FIELDS, values)
+        snapshot = trusted(RunnerSnapshot, values)
         if lease_version is None:
             self.snapshot_cache = snapshot
         return snapshot

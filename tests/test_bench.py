@@ -317,3 +317,12 @@ def test_the_open_loop_times_each_request_from_its_arrival(tmp_path: Path) -> No
     span_ms = (result.finished - result.started) * 1000.0
     assert max(result.latencies_ms) >= 0.8 * span_ms
     assert result.late_starts >= 30
+
+
+@pytest.mark.parametrize("callers", ["0", "1025"])
+def test_bench_refuses_a_caller_count_out_of_range(callers: str) -> None:
+    """Each caller is a thread in every worker process: 100,000 of them only exhaust
+    the machine (found by review), so the option is bounded, and nothing runs."""
+    result = bench("--quick", "--only", "batched", "--callers", callers)
+    assert result.exit_code == 2
+    assert "--callers" in result.output

@@ -27,6 +27,25 @@ def throughput_table(report: dict[str, Any]) -> Table | None:
     columns = ("run", "per s", "p50 ms", "p95 ms", "p99 ms", "retries/call", "errors", "ratio")
     for column in (*columns, "CPU ms/call"):
         table.add_column(column, justify="left" if column == "run" else "right")
+
+    def add(label: str, run: dict[str, Any], rate: float, ratio: str, **shown: str) -> None:
+        """One run's row: ``rate`` its per-second figure, ``ratio`` against its baseline;
+        ``shown`` overrides the retries and errors columns."""
+        table.add_row(
+            label,
+            f"{rate:,.0f}",
+            _ms(run["p50_ms"]),
+            _ms(run["p95_ms"]),
+            _ms(run["p99_ms"]),
+            shown.get("retries", f"{run.get('retries_per_call', 0):.3f}"),
+            shown.get("errors", str(run.get("contention_errors", 0))),
+            ratio,
+            _cpu(run),
+        )
+
+    def of(value: float, base: float | None, what: str) -> str:
+        return _ratio(value / base if base else None) + what
+
     if raw:
         for key, label in (
             ("one_aggregate", "raw: 1 new aggregate/transaction"),
@@ -38,114 +57,48 @@ def throughput_table(report: dict[str, Any]) -> Table | None:
                 continue
             if key == "batched_aggregates":
                 label = f"raw: {row['aggregates_per_transaction']} new aggregates/transaction"
-            table.add_row(
-                label,
-                f"{row['transactions_per_second']:,.0f}",
-                _ms(row["p50_ms"]),
-                _ms(row["p95_ms"]),
-                _ms(row["p99_ms"]),
-                "-",
-                "0",
-                "-",
-                _cpu(row),
-            )
-    baseline = raw["two_aggregates"]["transactions_per_second"] if raw else None
+            add(label, row, row["transactions_per_second"], "-", retries="-", errors="0")
+    two = raw["two_aggregates"]["transactions_per_second"] if raw else None
+    one = raw["one_aggregate"]["transactions_per_second"] if raw else None
+    uncontended = placement["per_second"] if placement else None
     if placement:
-        table.add_row(
-            f"placement: schedule over {placement['runners']:,} runners",
-            f"{placement['per_second']:,.0f}",
-            _ms(placement["p50_ms"]),
-            _ms(placement["p95_ms"]),
-            _ms(placement["p99_ms"]),
-            f"{placement['retries_per_call']:.3f}",
-            str(placement["contention_errors"]),
-            _ratio(placement["per_second"] / baseline if baseline else None) + " of raw 2",
-            _cpu(placement),
+        label = f"placement: schedule over {placement['runners']:,} runners"
+        add(
+            label, placement, placement["per_second"], of(placement["per_second"], two, " of raw 2")
         )
     if contention:
-        uncontended = placement["per_second"] if placement else None
-        table.add_row(
-            f"contention: goodput on {contention['hot_runners']} hot runners",
-            f"{contention['goodput_per_second']:,.0f}",
-            _ms(contention["p50_ms"]),
-            _ms(contention["p95_ms"]),
-            _ms(contention["p99_ms"]),
-            f"{contention['retries_per_call']:.3f}",
-            str(contention["contention_errors"]),
-            _ratio(contention["goodput_per_second"] / uncontended if uncontended else None)
-            + " of placement",
-            _cpu(contention),
-        )
+        rate = contention["goodput_per_second"]
+        label = f"contention: goodput on {contention['hot_runners']} hot runners"
+        add(label, contention, rate, of(rate, uncontended, " of placement"))
     batched, row_lock = report.get("batched"), report.get("row_lock")
-    one = raw["one_aggregate"]["transactions_per_second"] if raw else None
     if batched:
-        table.add_row(
+        label = (
             f"batched: {batched['callers_per_worker']} callers/worker over "
-            f"{batched['runners']:,} runners (mean batch {batched.get('batch_size_mean', 1)})",
-            f"{batched['per_second']:,.0f}",
-            _ms(batched["p50_ms"]),
-            _ms(batched["p95_ms"]),
-            _ms(batched["p99_ms"]),
-            f"{batched['retries_per_call']:.3f}",
-            str(batched["contention_errors"]),
-            _ratio(batched["per_second"] / one if one else None) + " of raw 1",
-            _cpu(batched),
+            f"{batched['runners']:,} runners (mean batch {batched.get('batch_size_mean', 1)})"
         )
+        add(label, batched, batched["per_second"], of(batched["per_second"], one, " of raw 1"))
     steady = report.get("batched_steady")
     if steady:
-        table.add_row(
+        label = (
             f"batched, open loop: {steady['offered_per_second']:,.0f} requests/s arriving "
-            f"(mean batch {steady.get('batch_size_mean', 1)})",
-            f"{steady['per_second']:,.0f}",
-            _ms(steady["p50_ms"]),
-            _ms(steady["p95_ms"]),
-            _ms(steady["p99_ms"]),
-            f"{steady['retries_per_call']:.3f}",
-            str(steady["contention_errors"]),
-            _ratio(steady["per_second"] / one if one else None) + " of raw 1",
-            _cpu(steady),
+            f"(mean batch {steady.get('batch_size_mean', 1)})"
         )
+        add(label, steady, steady["per_second"], of(steady["per_second"], one, " of raw 1"))
     contended = report.get("contention_batched")
     if contended:
-        uncontended = batched["per_second"] if batched else None
-        table.add_row(
-            f"batched contention: goodput on {contended['hot_runners']} hot runners",
-            f"{contended['goodput_per_second']:,.0f}",
-            _ms(contended["p50_ms"]),
-            _ms(contended["p95_ms"]),
-            _ms(contended["p99_ms"]),
-            f"{contended['retries_per_call']:.3f}",
-            str(contended["contention_errors"]),
-            _ratio(contended["goodput_per_second"] / uncontended if uncontended else None)
-            + " of batched",
-            _cpu(contended),
-        )
+        rate = contended["goodput_per_second"]
+        label = f"batched contention: goodput on {contended['hot_runners']} hot runners"
+        base = batched["per_second"] if batched else None
+        add(label, contended, rate, of(rate, base, " of batched"))
     if row_lock and "per_second" in row_lock:
-        table.add_row(
-            f"row-lock peer: SERIALIZABLE, row locked, over {row_lock['runners']:,} runners",
-            f"{row_lock['per_second']:,.0f}",
-            _ms(row_lock["p50_ms"]),
-            _ms(row_lock["p95_ms"]),
-            _ms(row_lock["p99_ms"]),
-            f"{row_lock['retries_per_call']:.3f}",
-            str(row_lock["outcomes"].get("contention_error", 0)),
-            _ratio(batched["per_second"] / row_lock["per_second"] if batched else None)
-            + " batched/peer",
-            _cpu(row_lock),
-        )
+        label = f"row-lock peer: SERIALIZABLE, row locked, over {row_lock['runners']:,} runners"
+        ratio = _ratio(batched["per_second"] / row_lock["per_second"] if batched else None)
+        errors = str(row_lock["outcomes"].get("contention_error", 0))
+        add(label, row_lock, row_lock["per_second"], ratio + " batched/peer", errors=errors)
     if over_http:
-        in_process = placement["per_second"] if placement else None
-        table.add_row(
-            f"placement over HTTP: {over_http['replicas']} serve processes",
-            f"{over_http['per_second']:,.0f}",
-            _ms(over_http["p50_ms"]),
-            _ms(over_http["p95_ms"]),
-            _ms(over_http["p99_ms"]),
-            f"{over_http['retries_per_call']:.3f}",
-            str(over_http["contention_errors"]),
-            _ratio(over_http["per_second"] / in_process if in_process else None) + " of placement",
-            _cpu(over_http),
-        )
+        rate = over_http["per_second"]
+        label = f"placement over HTTP: {over_http['replicas']} serve processes"
+        add(label, over_http, rate, of(rate, uncontended, " of placement"))
     table.caption = _throughput_caption(report)
     table.caption_justify = "left"
     return table

@@ -113,9 +113,11 @@ def bench(
         typer.Option(
             "--callers",
             min=1,
+            max=1024,  # threads per worker process: more only exhausts the machine
             help=(
                 "Concurrent schedule callers per worker in the batched runs: 16, or 8 with "
-                "--quick. Fewer: smaller batches, shorter waits; more: the opposite."
+                "--quick (1 to 1,024). Fewer: smaller batches, shorter waits; more: the "
+                "opposite."
             ),
         ),
     ] = None,
