@@ -48,7 +48,7 @@ from eventsourcing.sqlite import (
 from eventsourcing.utils import retry
 from psycopg import Rollback
 from psycopg.rows import tuple_row
-from psycopg.sql import SQL, Composable, Composed, Identifier
+from psycopg.sql import SQL, Composable, Composed, Identifier, Literal
 
 from secondbox_scheduler.domain.chain import Chain, ChainedEvent, Link
 
@@ -67,6 +67,71 @@ def seal_table(snapshots_table: str) -> str:
 
 def lock_function(events_table: str) -> str:
     return f"{events_table}_lock"
+
+
+def append_function(events_table: str) -> str:
+    return f"{events_table}_append"
+
+
+def append_function_statement(
+    schema: Identifier,
+    events: Identifier,
+    chain: Identifier,
+    lock: Identifier,
+    append: Identifier,
+    channel: str,
+) -> Composed:
+    """``<events>_append(ids, versions, topics, states, lock_timeout)``: the save of an
+    unkeyed chain in one statement. It takes the events table's lock, inserts the events
+    (their notification ids in input order: the lock serialises the sequence), computes
+    each link exactly as :meth:`~secondbox_scheduler.domain.chain.Chain.digest` does with
+    SHA-256 (every field length-prefixed or fixed-width, big-endian), inserts the links,
+    and returns each event's position and digest. The lock is then held for one round
+    trip and the commit, not for two round trips and the client's hashing in between. A
+    keyed chain never sends its key to the server: it links in the client."""
+    return SQL(
+        "CREATE OR REPLACE FUNCTION {schema}.{append}("
+        "ids uuid[], versions bigint[], topics text[], states bytea[], lock_timeout text) "
+        "RETURNS TABLE (appended bigint, link bytea) "
+        "LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $BODY$\n"
+        "DECLARE\n"
+        "  positions bigint[]; previous bigint[]; digests bytea[];\n"
+        "  prior_position bigint; prior bytea; topic bytea;\n"
+        "BEGIN\n"
+        "  PERFORM set_config('lock_timeout', lock_timeout, true);\n"
+        "  PERFORM {schema}.{lock}();\n"
+        "  SELECT c.position, c.digest INTO prior_position, prior FROM {schema}.{chain} c "
+        "ORDER BY c.position DESC LIMIT 1;\n"
+        "  IF NOT FOUND THEN prior_position := 0; prior := decode(repeat('00', 32), 'hex'); "
+        "END IF;\n"
+        "  WITH inserted AS (INSERT INTO {schema}.{events} "
+        "(originator_id, originator_version, topic, state) "
+        "SELECT * FROM unnest(ids, versions, topics, states) RETURNING notification_id) "
+        "SELECT array_agg(notification_id ORDER BY notification_id) INTO positions "
+        "FROM inserted;\n"
+        "  FOR i IN 1 .. coalesce(array_length(positions, 1), 0) LOOP\n"
+        "    topic := convert_to(topics[i], 'UTF8');\n"
+        "    previous[i] := prior_position;\n"
+        "    prior := sha256(convert_to('secondbox-chain-v1', 'UTF8') || prior "
+        "|| int8send(prior_position) || int8send(positions[i]) "
+        "|| int8send(16::bigint) || uuid_send(ids[i]) || int8send(versions[i]) "
+        "|| int8send(octet_length(topic)::bigint) || topic "
+        "|| int8send(octet_length(states[i])::bigint) || states[i]);\n"
+        "    digests[i] := prior;\n"
+        "    prior_position := positions[i];\n"
+        "  END LOOP;\n"
+        "  INSERT INTO {schema}.{chain} SELECT * FROM unnest(positions, previous, digests);\n"
+        "  PERFORM pg_notify({channel}, '');\n"
+        "  RETURN QUERY SELECT * FROM unnest(positions, digests);\n"
+        "END;$BODY$"
+    ).format(
+        schema=schema,
+        append=append,
+        lock=lock,
+        chain=chain,
+        events=events,
+        channel=Literal(channel),
+    )
 
 
 def _as_link(row: Sequence[Any] | None) -> Link | None:
@@ -213,6 +278,21 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
                 "$BODY$BEGIN LOCK TABLE {schema}.{events} IN EXCLUSIVE MODE; END;$BODY$"
             ).format(schema=schema, function=function, events=events)
         )
+        append = Identifier(append_function(events_table_name))
+        self.check_identifier_length(append_function(events_table_name))
+        self.sql_create_statements.append(
+            append_function_statement(schema, events, chain, function, append, self.channel_name)
+        )
+        self.append_statement = compiled(
+            SQL(
+                "SELECT * FROM {}.{}(%b::uuid[], %b::bigint[], %b::text[], %b::bytea[], %s)"
+            ).format(schema, append)
+        )
+        self.append_signature = (
+            f"{datastore.schema}.{append_function(events_table_name)}"
+            "(uuid[], bigint[], text[], bytea[], text)"
+        )
+        self._appends_in_server: bool | None = None  # known at the first save
         # statements rendered once: psycopg renders a Composed again at every execute
         self.lock_table_statements = [
             compiled(SQL("SET LOCAL lock_timeout = '{0}s'").format(datastore.lock_timeout)),
@@ -250,6 +330,8 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
         one commit for both."""
         if self.datastore.enable_db_functions:
             raise ProgrammingError("the chained recorder does not use database functions")
+        if stored_events and self.appends_in_server():
+            return self._append_in_server(stored_events, snapshots)
         exc: Exception | None = None
         notification_ids: Sequence[int] | None = None
         with self.datastore.get_connection() as conn:
@@ -306,6 +388,72 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
             if exc:
                 raise exc
         return notification_ids
+
+    def appends_in_server(self) -> bool:
+        """Whether a save links its events in the server (``<events>_append``): an
+        unkeyed chain over UUID ids, the function present (a schema created by an
+        earlier release, under a role that may not create it, has none: then the
+        client links, as before). Looked up once."""
+        if self._appends_in_server is None:
+            usable = not self.chain.keyed and self.datastore.originator_id_type == "uuid"
+            if usable:
+                with (
+                    self.datastore.get_connection() as conn,
+                    conn.cursor(row_factory=tuple_row) as curs,
+                ):
+                    curs.execute("SELECT to_regprocedure(%s) IS NOT NULL", (self.append_signature,))
+                    row = curs.fetchone()
+                usable = bool(row is not None and row[0])
+            self._appends_in_server = usable
+        return self._appends_in_server
+
+    def _append_in_server(
+        self, stored_events: Sequence[StoredEvent], snapshots: SnapshotsWithin | None
+    ) -> Sequence[int]:
+        """The save as one statement (``<events>_append``: lock, events, links, the
+        notification), its own transaction on the pool's autocommit connection: one
+        round trip, the commit included. With snapshots, which are sealed with the new
+        links' digests: the statement, then the snapshots, in one transaction."""
+        params = (
+            [s.originator_id for s in stored_events],
+            [s.originator_version for s in stored_events],
+            [s.topic for s in stored_events],
+            [s.state for s in stored_events],
+            f"{self.datastore.lock_timeout}s",
+        )
+        exc: Exception | None = None
+        with (
+            self.datastore.get_connection() as conn,
+            conn.cursor(row_factory=tuple_row) as appended,
+        ):
+            if snapshots is None:
+                appended.execute(self.append_statement, params, prepare=True)
+                rows = appended.fetchall()
+            else:
+                with conn.pipeline() as pipeline, conn.transaction(), conn.cursor() as curs:
+                    try:
+                        appended.execute(self.append_statement, params, prepare=True)
+                        pipeline.sync()
+                        rows = appended.fetchall()
+                        snapshots.write(
+                            curs,
+                            {
+                                (e.originator_id, e.originator_version): bytes(row[1])
+                                for e, row in zip(stored_events, rows, strict=True)
+                            },
+                        )
+                    except Exception as e:
+                        exc = e  # raised after the pipeline is closed, as the library does
+                    if exc is not None:
+                        raise Rollback
+                if exc:
+                    raise exc
+        if len(rows) != len(stored_events):
+            raise ProgrammingError(
+                f"Couldn't get all notification IDs (got {len(rows)}, "
+                f"expected {len(stored_events)})"
+            )
+        return [int(row[0]) for row in rows]
 
 
 class SnapshotsWithin:

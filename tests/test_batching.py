@@ -31,7 +31,11 @@ from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure import batcher as batcher_module
 from secondbox_scheduler.infrastructure.audit_replay import verify
 from secondbox_scheduler.infrastructure.batcher import PlacementBatcher
-from secondbox_scheduler.infrastructure.event_chain import SealedPostgresSnapshots
+from secondbox_scheduler.infrastructure.event_chain import (
+    ChainedPostgresRecorder,
+    SealedPostgresSnapshots,
+)
+from secondbox_scheduler.infrastructure.settings import AUDIT_KEY
 from tests.conftest import Clock, PostgresSchema, Store
 from tests.factories import (
     capacity,
@@ -542,15 +546,29 @@ def test_placing_many_sandboxes_keeps_no_parsed_requirements_alive(
         app.close()
 
 
+def _chained_env(schema: PostgresSchema, keyed: bool) -> dict[str, str]:
+    """A keyed chain links in the client; an unkeyed one in the server."""
+    return {**schema.env(), **({AUDIT_KEY: "a test audit key"} if keyed else {})}
+
+
+def _recorder(app: SchedulerApplication) -> ChainedPostgresRecorder:
+    recorder = app.recorder
+    assert isinstance(recorder, ChainedPostgresRecorder)
+    return recorder
+
+
+@pytest.mark.parametrize("keyed", [False, True])
 def test_snapshots_are_written_in_the_transaction_of_their_events(
-    postgres_schema: PostgresSchema, clock: Clock, monkeypatch: pytest.MonkeyPatch
+    postgres_schema: PostgresSchema, clock: Clock, monkeypatch: pytest.MonkeyPatch, keyed: bool
 ) -> None:
     """PostgreSQL: the snapshots a batch takes (a runner passing a multiple of its
     interval) are sealed with the links of the same transaction and committed with the
     events, one commit for both: a snapshot that cannot be written leaves nothing
-    stored, not placements without their snapshot and an error after the commit."""
-    app = SchedulerApplication(env=postgres_schema.env(), now=clock)
+    stored, not placements without their snapshot and an error after the commit. Both
+    ways of linking: in the server (unkeyed) and in the client (keyed)."""
+    app = SchedulerApplication(env=_chained_env(postgres_schema, keyed), now=clock)
     try:
+        assert _recorder(app).appends_in_server() is not keyed
         room = {"vcpu_count": 128, "memory_bytes": 256 * 2**30, "disk_bytes": 2000 * 2**30}
         register(app, "ra", at=clock(), allocatable=capacity(instances=64, operations=64, **room))
         names = [f"s{n}" for n in range(12)]
@@ -674,9 +692,12 @@ def test_an_error_between_the_insert_and_the_commit_stores_nothing(
     events without their links. The first fix spared psycopg's errors, taking them all
     for the database's; review found psycopg raises some before sending anything (a
     value it cannot adapt; the library wraps it in its ProgrammingError), and those
-    still committed. Any error there now rolls back."""
-    app = SchedulerApplication(env=postgres_schema.env(), now=clock)
+    still committed. Any error there now rolls back. (A keyed chain: the client links.
+    An unkeyed one links in the server, where the step between the insert and the
+    commit is the snapshots' write: the test above.)"""
+    app = SchedulerApplication(env=_chained_env(postgres_schema, keyed=True), now=clock)
     try:
+        assert not _recorder(app).appends_in_server()
         build(app, clock)
         runners = [runner_uuid("ra"), runner_uuid("rb")]
         versions = app.stream_versions(runners)
