@@ -13,6 +13,12 @@ def _ms(value: float) -> str:
     return f"{value:,.1f}" if value >= 10 else f"{value:.2f}"
 
 
+def _deferred(run: dict[str, Any]) -> str:
+    """The share of placements a batch handed back to the next (a rival held the runner)."""
+    share = run.get("deferred_per_call")
+    return f", {share:.1%} deferred" if share else ""
+
+
 def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
@@ -74,14 +80,15 @@ def throughput_table(report: dict[str, Any]) -> Table | None:
     if batched:
         label = (
             f"batched: {batched['callers_per_worker']} callers/worker over "
-            f"{batched['runners']:,} runners (mean batch {batched.get('batch_size_mean', 1)})"
+            f"{batched['runners']:,} runners (mean batch {batched.get('batch_size_mean', 1)}"
+            f"{_deferred(batched)})"
         )
         add(label, batched, batched["per_second"], of(batched["per_second"], one, " of raw 1"))
     steady = report.get("batched_steady")
     if steady:
         label = (
             f"batched, open loop: {steady['offered_per_second']:,.0f} requests/s arriving "
-            f"(mean batch {steady.get('batch_size_mean', 1)})"
+            f"(mean batch {steady.get('batch_size_mean', 1)}{_deferred(steady)})"
         )
         add(label, steady, steady["per_second"], of(steady["per_second"], one, " of raw 1"))
     contended = report.get("contention_batched")

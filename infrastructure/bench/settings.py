@@ -34,7 +34,9 @@ class BenchSettings:
     placement_seconds: float = 15.0
     contention_sandboxes: int = 3000  # a fixed amount of work, comparable across runs
     raw_batch: int = 32  # new aggregates per transaction of the batched raw baseline
-    callers: int = 16  # concurrent schedule callers per worker of the batched runs
+    # concurrent schedule callers per worker of the batched runs: the knee of the
+    # throughput curve (docs/performance.md: from 8-10 callers on, more add only queueing)
+    callers: int = 10
     # callers per worker of the open-loop batched run (enough that arrivals never wait
     # for one while the scheduler keeps up; those that do are counted as late starts)
     open_loop_callers: int = 64

@@ -153,6 +153,7 @@ class WorkerResult:
     machine_cpu: tuple[float, float] = (0.0, 0.0)  # busy and total CPU seconds, run window
     batch_sizes: dict[int, int] = field(default_factory=dict)  # placement batches by size
     late_starts: int = 0  # open loop: calls sent more than LATE_MS after their arrival
+    deferred: int = 0  # placements a batch handed back (their runner held by a rival)
 
 
 def machine_cpu_seconds() -> tuple[float, float]:
@@ -249,6 +250,7 @@ def _run_schedule(
         app.repository.get(lease_uuid(runner_id))
     retries_before = app.metrics.contention_retries
     errors_before = app.metrics.contention_errors
+    deferred_before = app.metrics.placements_deferred
     batches_before = dict(app.metrics.batch_sizes)
     prepare_seconds = time.perf_counter() - prepared
     outcomes: Counter[str] = Counter()
@@ -330,6 +332,7 @@ def _run_schedule(
         machine_cpu=_cpu_window(index, cpu_before),
         batch_sizes={size: count for size, count in batches.items() if count},
         late_starts=late[0],
+        deferred=app.metrics.placements_deferred - deferred_before,
     )
 
 
@@ -514,6 +517,7 @@ def summarize(results: list[WorkerResult], *, count: str = "placed") -> dict[str
         "contention_retries": retries,
         "retries_per_call": round(retries / calls, 4) if calls else 0.0,
         "contention_errors": sum(r.contention_errors for r in results),
+        "deferred_per_call": (round(sum(r.deferred for r in results) / calls, 4) if calls else 0.0),
         "prepare_seconds_max": round(max(r.prepare_seconds for r in results), 2),
         # the whole machine (workers, database server, anything else) during the run
         "machine_cpu_busy": None if busy_share is None else round(busy_share, 3),

@@ -115,9 +115,9 @@ def bench(
             min=1,
             max=1024,  # threads per worker process: more only exhausts the machine
             help=(
-                "Concurrent schedule callers per worker in the batched runs: 16, or 8 with "
+                "Concurrent schedule callers per worker in the batched runs: 10, or 8 with "
                 "--quick (1 to 1,024). Fewer: smaller batches, shorter waits; more: the "
-                "opposite."
+                "opposite (past 10, only longer waits: docs/performance.md)."
             ),
         ),
     ] = None,
