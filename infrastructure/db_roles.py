@@ -8,7 +8,9 @@ chain, the snapshots and their seals, and use the read models and their tracking
 it may not UPDATE, DELETE or TRUNCATE the events or the chain: the server refuses. It
 takes the events table's write lock through the owner's ``SECURITY DEFINER`` function
 ``<events>_lock()`` (EXECUTE granted to it alone), since ``LOCK TABLE ... IN EXCLUSIVE
-MODE`` needs UPDATE, DELETE or TRUNCATE privilege.
+MODE`` needs UPDATE, DELETE or TRUNCATE privilege. EXECUTE on ``<events>_append(...)``
+(the save of an unkeyed chain in one statement; ``SECURITY INVOKER``, so it inserts with
+the application role's own privileges) is likewise granted to the application role alone.
 """
 
 from __future__ import annotations
@@ -50,8 +52,21 @@ def grant_statements(
         SQL("REVOKE CREATE ON SCHEMA {} FROM {}").format(s, app),
         SQL("REVOKE ALL ON FUNCTION {}.{}() FROM PUBLIC").format(s, lock),
         SQL("GRANT EXECUTE ON FUNCTION {}.{}() TO {}").format(s, lock, app),
-        SQL("GRANT USAGE ON ALL SEQUENCES IN SCHEMA {} TO {}").format(s, app),
     ]
+    append = PREFIX + "events_append"
+    if connection.execute(  # the save in one statement (a schema of an earlier release: none)
+        "SELECT 1 FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
+        "WHERE n.nspname = %s AND p.proname = %s",
+        (schema, append),
+    ).fetchone():
+        signature = SQL("{}.{}(uuid[], bigint[], text[], bytea[], text)").format(
+            s, Identifier(append)
+        )
+        statements += [
+            SQL("REVOKE ALL ON FUNCTION {} FROM PUBLIC").format(signature),
+            SQL("GRANT EXECUTE ON FUNCTION {} TO {}").format(signature, app),
+        ]
+    statements.append(SQL("GRANT USAGE ON ALL SEQUENCES IN SCHEMA {} TO {}").format(s, app))
     for table in tables:
         t = Identifier(table)
         statements.append(SQL("REVOKE ALL ON {}.{} FROM {}").format(s, t, app))

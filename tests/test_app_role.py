@@ -71,12 +71,14 @@ def test_the_scheduler_runs_under_an_append_only_role_and_the_server_refuses_rew
     with psycopg.connect(postgres_schema.server.conninfo(), autocommit=True) as admin:
         statements = grant(admin, postgres_schema.name, roles.owner, roles.app, roles.auditor)
     assert any("GRANT SELECT, INSERT ON" in s and "_events" in s for s in statements)
+    assert any("GRANT EXECUTE" in s and "_events_append" in s for s in statements)
 
     # start-up under the application role: no CREATE privilege needed
     app = SchedulerApplication(
         env={"SECONDBOX_DATABASE_URL": _url(postgres_schema, roles.app)}, now=clock
     )
     try:
+        assert app.recorder.appends_in_server()  # type: ignore[attr-defined]
         register(app, "r1", at=clock())  # registration and a heartbeat
         assert create_sandbox(app, "s1") == "r1"
         assignment, _ = app.schedule(schedule_request("s1", clock()))
@@ -126,3 +128,9 @@ def test_the_scheduler_runs_under_an_append_only_role_and_the_server_refuses_rew
         connection.transaction(),
     ):
         connection.execute(f"INSERT INTO {chain} VALUES (0, 0, '')")
+    with (
+        _connect(postgres_schema, roles.auditor) as connection,
+        pytest.raises(errors.InsufficientPrivilege),
+        connection.transaction(),
+    ):  # the save's function is the application role's alone
+        connection.execute(f"SELECT * FROM {events}_append('{{}}', '{{}}', '{{}}', '{{}}', '0s')")
