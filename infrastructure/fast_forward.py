@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from contextlib import ExitStack, suppress
-from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
@@ -96,44 +95,8 @@ def _select_events_after(
     return [StoredEvent(UUID(row[0]), row[1], row[2], row[3]) for row in rows]
 
 
-@dataclass(frozen=True)
-class ReadAhead:
-    """The events after the cached version of each of some streams, read by another
-    statement than :func:`load_many`'s own (the runner locks' round trip,
-    :mod:`.runner_locks`): ``versions`` are the cached versions it read after."""
-
-    versions: dict[UUID, int]
-    events: list[StoredEvent]
-
-
-def read_ahead_query(
-    app: Application[UUID], aggregate_ids: Sequence[UUID]
-) -> tuple[bytes, list[list[Any]], dict[UUID, int]] | None:
-    """The statement, its parameters and the cached versions that read ahead the new
-    events of ``aggregate_ids`` (PostgreSQL, every one of them cached; else None)."""
-    recorder, cache = app.recorder, app.repository.cache
-    if cache is None or not isinstance(recorder, PostgresAggregateRecorder):
-        return None
-    versions: dict[UUID, int] = {}
-    for aggregate_id in sorted(set(aggregate_ids), key=lambda u: u.bytes):
-        try:
-            versions[aggregate_id] = cache.get(aggregate_id).version
-        except KeyError:
-            return None
-    statement = _select_after(recorder.datastore.schema, recorder.events_table_name)
-    return statement, [list(versions), list(versions.values())], versions
-
-
-def read_ahead_events(rows: Sequence[Sequence[Any]]) -> list[StoredEvent]:
-    return [StoredEvent(row[0], row[1], row[2], row[3]) for row in rows]
-
-
 def load_many(
-    app: Application[UUID],
-    aggregate_ids: Sequence[UUID],
-    *,
-    cache_new: bool = True,
-    ahead: ReadAhead | None = None,
+    app: Application[UUID], aggregate_ids: Sequence[UUID], *, cache_new: bool = True
 ) -> dict[UUID, Any]:
     """Deep copies of many aggregates, each up to date, with at most two queries for all:
     the cached ones fast-forwarded (the events after each cached version) and the others
@@ -147,11 +110,7 @@ def load_many(
     not cached (no copy needed). A batch reads its sandboxes so: each is placed once and
     its cached copy would be stale at the next commit, while 10,000 cached sandboxes
     would be most of the objects the garbage collector walks (docs/performance.md,
-    "Tail latency").
-
-    ``ahead``: the new events of the cached aggregates, read already (in the round trip
-    that took the batch's runner locks): used when it read after exactly the versions
-    still cached, else the query is made as without it."""
+    "Tail latency")."""
     repository, recorder = app.repository, app.recorder
     ids = sorted(set(aggregate_ids), key=lambda u: u.bytes)
     cache = repository.cache
@@ -167,7 +126,7 @@ def load_many(
     ):
         return _load_each(app, ids)
     try:
-        return _load_together(app, ids, cache_new, ahead)
+        return _load_together(app, ids, cache_new)
     except _Unsupported:
         return _load_each(app, ids)
 
@@ -176,9 +135,7 @@ class _Unsupported(Exception):
     """The aggregates cannot be brought up to date in place: load them one by one."""
 
 
-def _load_together(
-    app: Application[UUID], ids: list[UUID], cache_new: bool, ahead: ReadAhead | None = None
-) -> dict[UUID, Any]:
+def _load_together(app: Application[UUID], ids: list[UUID], cache_new: bool) -> dict[UUID, Any]:
     repository, recorder, snapshots = app.repository, app.recorder, app.snapshots
     cache = repository.cache
     assert cache is not None
@@ -199,11 +156,7 @@ def _load_together(
             after = [
                 (aggregate_id, aggregate.version) for aggregate_id, aggregate in cached.items()
             ]
-            if ahead is not None and all(ahead.versions.get(i) == v for i, v in after):
-                new_events = [e for e in ahead.events if e.originator_id in cached]
-            else:
-                new_events = _select_events_after(recorder, after)
-            for event in new_events:
+            for event in _select_events_after(recorder, after):
                 domain_event: Any = app.mapper.to_domain_event(event)
                 aggregate = cached[domain_event.originator_id]
                 if domain_event.mutate(aggregate) is not aggregate:

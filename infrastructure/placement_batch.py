@@ -55,12 +55,7 @@ from secondbox_scheduler.domain.refusals import OPERATION_SCHEDULE
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.sandbox import TOKEN_REUSED, Sandbox
 from secondbox_scheduler.domain.values import DurableAssignment, ScheduleRequest
-from secondbox_scheduler.infrastructure.fast_forward import (
-    ReadAhead,
-    load_many,
-    read_ahead_events,
-    read_ahead_query,
-)
+from secondbox_scheduler.infrastructure.fast_forward import load_many
 from secondbox_scheduler.infrastructure.lent_connection import lend
 
 if TYPE_CHECKING:
@@ -120,24 +115,15 @@ class PlacementBatch:
             }
             homes = set(home_of.values())
             patient = {home_of[i] for i in home_of if not deferrable[i]} if may_defer else None
-            # the runners' new events, read in the round trip that takes their locks
-            ahead = read_ahead_query(self.app, _runner_streams(homes))
             # liveness only (:mod:`.runner_locks`)
             with self.app.runner_locks.hold(
                 homes,
                 wait_for=patient,
                 worth_deferring=partial(_few_deferred, list(home_of.values()), len(pending)),
-                then=None if ahead is None else (ahead[0], ahead[1]),
             ) as held:
                 deferred = {index for index, home in home_of.items() if home in held.busy}
-                read = None
-                if ahead is not None and held.then_rows is not None:
-                    read = ReadAhead(ahead[2], read_ahead_events(held.then_rows))
                 decisions = self._decide(
-                    [p for p in pending if p[0] not in deferred],
-                    sandboxes,
-                    homes - held.busy,
-                    read,
+                    [p for p in pending if p[0] not in deferred], sandboxes, homes - held.busy
                 )
                 # the save may release the locks with its commit, in its round trip
                 with lend(held.release_after_save(getattr(self.app.recorder, "datastore", None))):
@@ -175,13 +161,11 @@ class PlacementBatch:
         pending: list[tuple[int, ScheduleRequest, int]],
         sandboxes: dict[str, Sandbox | None],
         homes: set[str],
-        ahead: ReadAhead | None = None,
     ) -> list[_Decision]:
         """Decide each request in order against the state the earlier ones left. The
         batch's sandboxes were read with one load; their home runners and leases are
-        read with another (:func:`~.fast_forward.load_many`), or were read ahead with
-        their locks (``ahead``)."""
-        runners = self._runners(homes, ahead)
+        read with another (:func:`~.fast_forward.load_many`)."""
+        runners = self._runners(homes)
         clock = self.app.now()
         decisions = []
         for index, request, attempt in pending:
@@ -205,10 +189,12 @@ class PlacementBatch:
         }
 
     def _runners(
-        self, runner_ids: set[str], ahead: ReadAhead | None = None
+        self, runner_ids: set[str]
     ) -> dict[str, tuple[Runner, RunnerLease] | SchedulerError]:
         """Each home runner with its lease (copies to command), or why it is unavailable."""
-        loaded = load_many(self.app, _runner_streams(runner_ids), ahead=ahead)
+        loaded = load_many(
+            self.app, [stream for r in runner_ids for stream in (runner_uuid(r), lease_uuid(r))]
+        )
         found: dict[str, tuple[Runner, RunnerLease] | SchedulerError] = {}
         for runner_id in runner_ids:
             runner, lease = loaded.get(runner_uuid(runner_id)), loaded.get(lease_uuid(runner_id))
@@ -367,11 +353,6 @@ class PlacementBatch:
                 request.sandbox_id, OPERATION_SCHEDULE, decision.generation, decision.refusal,
                 request.now, request.heartbeat_timeout,
             )  # fmt: skip
-
-
-def _runner_streams(runner_ids: set[str]) -> list[UUID]:
-    """The streams of the runners and their leases."""
-    return [stream for r in runner_ids for stream in (runner_uuid(r), lease_uuid(r))]
 
 
 def _few_deferred(homes: list[str], requests: int, busy: frozenset[str]) -> bool:

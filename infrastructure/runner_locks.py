@@ -47,7 +47,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -56,7 +56,6 @@ import psycopg
 from eventsourcing.postgres import PostgresAggregateRecorder
 from psycopg import errors
 from psycopg.pq import TransactionStatus
-from psycopg.rows import tuple_row
 from psycopg.sql import SQL, Literal
 from psycopg_pool import ConnectionPool, PoolTimeout
 
@@ -87,8 +86,6 @@ class Held:
     busy: frozenset[str] = frozenset()
     connection: psycopg.Connection[Any] | None = None
     released: bool = False
-    # the rows of ``hold``'s ``then`` query, run once the locks were taken (None: not run)
-    then_rows: list[tuple[Any, ...]] | None = None
 
     def release_after_save(self, datastore: object) -> Lent | None:
         """The session to lend the save of ``datastore``, the unlock to run after its
@@ -126,7 +123,6 @@ class RunnerLocks:
         *,
         wait_for: Iterable[str] | None = None,
         worth_deferring: Callable[[frozenset[str]], bool] = lambda busy: True,
-        then: tuple[bytes, Sequence[Any]] | None = None,
     ) -> Iterator[Held]:
         """Hold the runners' locks for the block. ``wait_for=None``: wait for every one
         (up to LOCK_WAIT_MS each); otherwise wait for those runners only and try the
@@ -134,11 +130,7 @@ class RunnerLocks:
         (the batch defers their requests instead of waiting), unless
         ``worth_deferring(busy)`` says no: then every lock is released and all of them
         taken again in key order, waiting (so no session ever waits for a lock while it
-        holds one it took out of order). ``then``: a query (statement, parameters) sent
-        in the same round trip, run by the server once the locks are taken (its rows in
-        ``Held.then_rows``): a batch reads its runners' new events so, one round trip
-        fewer, and on runners another batch held it reads them the moment they are let
-        go."""
+        holds one it took out of order)."""
         runners = set(runner_ids) if self.recorder else set()
         connection = self._connection() if runners else None
         if connection is None:
@@ -147,20 +139,16 @@ class RunnerLocks:
         patient = runners if wait_for is None else runners & set(wait_for)
         keys = {lock_key(self.namespace, runner): runner for runner in runners}
         held = Held(False)
-        rows: list[tuple[Any, ...]] | None = None
         try:
-            taken = self._take(
+            busy = self._take(
                 connection,
                 sorted(k for k, r in keys.items() if r in patient),
                 sorted(k for k, r in keys.items() if r not in patient),
-                then,
             )
-            busy, rows = taken if taken is not None else (None, None)
             if busy and not worth_deferring(frozenset(keys[k] for k in busy)):
-                taken = self._take_again(connection, sorted(keys), then)
-                busy, rows = taken if taken is not None else (None, None)
+                busy = self._take_again(connection, sorted(keys))
             if busy is not None:
-                held = Held(True, frozenset(keys[k] for k in busy), connection, then_rows=rows)
+                held = Held(True, frozenset(keys[k] for k in busy), connection)
             yield held
         finally:
             self._release(connection, unlock=not held.released)
@@ -221,12 +209,7 @@ class RunnerLocks:
                 )
             return self._pool
 
-    def _take_again(
-        self,
-        connection: psycopg.Connection[Any],
-        keys: list[int],
-        then: tuple[bytes, Sequence[Any]] | None,
-    ) -> tuple[set[int], list[tuple[Any, ...]] | None] | None:
+    def _take_again(self, connection: psycopg.Connection[Any], keys: list[int]) -> set[int] | None:
         """Release the locks held and take all of ``keys`` again in key order, waiting;
         None (nothing held) when the session fails or a lock is not granted in time."""
         try:
@@ -235,20 +218,15 @@ class RunnerLocks:
             log.info("runner locks not released (%s): deciding without", error)
             connection.close()
             return None
-        return self._take(connection, keys, [], then)
+        return self._take(connection, keys, [])
 
     def _take(
-        self,
-        connection: psycopg.Connection[Any],
-        wait: list[int],
-        attempt: list[int],
-        then: tuple[bytes, Sequence[Any]] | None = None,
-    ) -> tuple[set[int], list[tuple[Any, ...]] | None] | None:
+        self, connection: psycopg.Connection[Any], wait: list[int], attempt: list[int]
+    ) -> set[int] | None:
         """Take the locks of ``wait`` in key order, each within LOCK_WAIT_MS (one
-        statement), then try those of ``attempt`` without waiting (another), then run
-        ``then``, all in one round trip; the keys of ``attempt`` another session holds
-        and the rows of ``then``, or None (and none of them held) when a lock of
-        ``wait`` is not granted in time or the session fails."""
+        statement), then try those of ``attempt`` without waiting (another); the keys
+        of ``attempt`` another session holds, or None (and none of them held) when a
+        lock of ``wait`` is not granted in time or the session fails."""
         take = SQL(
             "DO $$ DECLARE k bigint; BEGIN "
             "PERFORM set_config('lock_timeout', {wait}, true); "
@@ -256,22 +234,12 @@ class RunnerLocks:
             "END LOOP; END $$"
         ).format(wait=Literal(f"{LOCK_WAIT_MS}ms"), keys=Literal(wait))
         try:
-            with (
-                connection.cursor() as tried,
-                connection.cursor(row_factory=tuple_row, binary=True) as after,
-            ):
-                with connection.pipeline():
-                    if wait:
-                        connection.execute(take)
-                    if attempt:
-                        tried.execute(TRY, (attempt,))
-                    if then is not None:
-                        after.execute(then[0], then[1], prepare=True)
-                busy = set(attempt)
-                if attempt:
-                    row = tried.fetchone()
-                    busy = set(row[0]) if row is not None else busy
-                return busy, after.fetchall() if then is not None else None
+            if wait:
+                connection.execute(take)
+            if not attempt:
+                return set()
+            row = connection.execute(TRY, (attempt,)).fetchone()
+            return set(row[0]) if row is not None else set(attempt)
         except errors.LockNotAvailable:
             log.info("runner locks not granted in %s ms: deciding without", LOCK_WAIT_MS)
         except psycopg.Error as error:

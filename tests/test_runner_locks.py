@@ -19,11 +19,8 @@ import psycopg
 import pytest
 
 from secondbox_scheduler.domain import SchedulerError, SerializationContentionError
-from secondbox_scheduler.domain.errors import HomeRunnerUnavailableError
-from secondbox_scheduler.domain.ids import runner_uuid
-from secondbox_scheduler.infrastructure import SchedulerApplication, fast_forward, runner_locks
+from secondbox_scheduler.infrastructure import SchedulerApplication, runner_locks
 from secondbox_scheduler.infrastructure.audit_replay import verify
-from secondbox_scheduler.infrastructure.fast_forward import ReadAhead
 from secondbox_scheduler.infrastructure.placement_batch import PlacementBatch
 from secondbox_scheduler.infrastructure.runner_locks import lock_key
 from tests.conftest import Clock, PostgresSchema
@@ -340,62 +337,4 @@ def test_a_lock_session_broken_before_the_fallback_is_not_an_error_of_the_batch(
             with locks.hold(keys, wait_for=[], worth_deferring=session_lost_then_no) as held:
                 assert held.locked is False  # goes on without the locks
     finally:
-        app.close()
-
-
-def test_a_batch_reads_its_runners_in_the_round_trip_that_locks_them(
-    postgres_schema: PostgresSchema, clock: Clock, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A batch whose runners are cached reads their new events with their locks (no
-    query of its own), and decides against what a rival replica committed since: here
-    the rival took the runner's last slot, and the batch is refused, not retried."""
-    app = SchedulerApplication(env=postgres_schema.env(), now=clock)
-    rival = SchedulerApplication(env=postgres_schema.env(), now=clock)
-    try:
-        register(app, "r1", at=clock(), allocatable=capacity(instances=1))
-        for sandbox_id in ("s1", "s2"):
-            create_sandbox(app, sandbox_id)
-        app.get_runner("r1")  # cached in this replica, at the version before the rival's
-        assert rival.schedule(schedule_request("s1", clock()))[1]
-        own_queries: list[Any] = []
-        select_after = fast_forward._select_events_after
-
-        def spied(recorder: Any, streams: Any) -> Any:
-            own_queries.append(streams)
-            return select_after(recorder, streams)
-
-        monkeypatch.setattr(fast_forward, "_select_events_after", spied)
-        [outcome] = PlacementBatch(app).run([schedule_request("s2", clock())])
-        monkeypatch.undo()
-        assert isinstance(outcome, HomeRunnerUnavailableError)
-        assert "insufficient instances" in str(outcome)
-        assert own_queries == []
-        assert app.metrics.contention_retries == 0
-        assert verify(app, measure_raw=False).ok
-    finally:
-        rival.close()
-        app.close()
-
-
-def test_events_read_ahead_after_other_versions_are_not_used(
-    postgres_schema: PostgresSchema, clock: Clock
-) -> None:
-    """The read-ahead is used only when it read after the versions still cached: here
-    it claims an older version and holds nothing, and the load queries for itself."""
-    app = SchedulerApplication(env=postgres_schema.env(), now=clock)
-    rival = SchedulerApplication(env=postgres_schema.env(), now=clock)
-    try:
-        register(app, "r1", at=clock())
-        create_sandbox(app, "s1")
-        stream = runner_uuid("r1")
-        app.repository.get(stream)  # cached
-        assert rival.schedule(schedule_request("s1", clock()))[1]  # moves it on
-        stored = app.stream_versions([stream])[stream]
-        cached = app.repository.cache.get(stream)  # type: ignore[union-attr]
-        assert cached.version < stored
-        stale = ReadAhead({stream: cached.version - 1}, [])
-        loaded = fast_forward.load_many(app, [stream], ahead=stale)
-        assert loaded[stream].version == stored
-    finally:
-        rival.close()
         app.close()
