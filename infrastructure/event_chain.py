@@ -28,7 +28,6 @@ from functools import cached_property
 from typing import Any
 from uuid import UUID
 
-import psycopg
 from eventsourcing.persistence import (
     InterfaceError,
     OperationalError,
@@ -52,12 +51,6 @@ from psycopg.rows import tuple_row
 from psycopg.sql import SQL, Composable, Composed, Identifier, Literal
 
 from secondbox_scheduler.domain.chain import Chain, ChainedEvent, Link
-from secondbox_scheduler.infrastructure.lent_connection import (
-    Lent,
-    lent_to,
-    rolled_back,
-    translated,
-)
 
 log = logging.getLogger("secondbox_scheduler.chain")
 
@@ -428,10 +421,6 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
             [s.state for s in stored_events],
             f"{self.datastore.lock_timeout}s",
         )
-        lent = lent_to(self.datastore) if snapshots is None else None
-        if lent is not None:
-            rows = self._append_on_lent(lent, params)
-            return self._positions(rows, len(stored_events))
         exc: Exception | None = None
         with (
             self.datastore.get_connection() as conn,
@@ -459,35 +448,10 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
                         raise Rollback
                 if exc:
                     raise exc
-        return self._positions(rows, len(stored_events))
-
-    def _append_on_lent(self, lent: Lent, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
-        """The append on the session lent to the save (:mod:`.lent_connection`), in an
-        explicit transaction, then ``lent.then`` after its commit: one round trip."""
-        conn = lent.connection
-        try:
-            with (
-                conn.cursor(row_factory=tuple_row) as appended,
-                conn.cursor() as curs,
-            ):
-                with conn.pipeline():
-                    curs.execute(b"BEGIN")
-                    appended.execute(self.append_statement, params, prepare=True)
-                    curs.execute(b"COMMIT")
-                    curs.execute(lent.then)
-                rows = appended.fetchall()
-        except psycopg.Error as error:
-            rolled_back(conn)  # the rest of the pipeline was skipped: nothing released
-            raise translated(error) from error
-        lent.used = True
-        lent.done()
-        return rows
-
-    @staticmethod
-    def _positions(rows: Sequence[tuple[Any, ...]], expected: int) -> list[int]:
-        if len(rows) != expected:
+        if len(rows) != len(stored_events):
             raise ProgrammingError(
-                f"Couldn't get all notification IDs (got {len(rows)}, expected {expected})"
+                f"Couldn't get all notification IDs (got {len(rows)}, "
+                f"expected {len(stored_events)})"
             )
         return [int(row[0]) for row in rows]
 

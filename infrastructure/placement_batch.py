@@ -56,7 +56,6 @@ from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.sandbox import TOKEN_REUSED, Sandbox
 from secondbox_scheduler.domain.values import DurableAssignment, ScheduleRequest
 from secondbox_scheduler.infrastructure.fast_forward import load_many
-from secondbox_scheduler.infrastructure.lent_connection import lend
 
 if TYPE_CHECKING:
     from secondbox_scheduler.infrastructure.application import SchedulerApplication
@@ -125,9 +124,7 @@ class PlacementBatch:
                 decisions = self._decide(
                     [p for p in pending if p[0] not in deferred], sandboxes, homes - held.busy
                 )
-                # the save may release the locks with its commit, in its round trip
-                with lend(held.release_after_save(getattr(self.app.recorder, "datastore", None))):
-                    retry = self._commit(decisions)
+                retry = self._commit(decisions)
             may_defer = False  # a request decided again waits for its runner
             if deferred:
                 self.app.metrics.add("placements_deferred", len(deferred))

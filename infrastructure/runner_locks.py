@@ -55,11 +55,8 @@ from typing import Any
 import psycopg
 from eventsourcing.postgres import PostgresAggregateRecorder
 from psycopg import errors
-from psycopg.pq import TransactionStatus
 from psycopg.sql import SQL, Literal
 from psycopg_pool import ConnectionPool, PoolTimeout
-
-from secondbox_scheduler.infrastructure.lent_connection import Lent, rolled_back
 
 log = logging.getLogger(__name__)
 
@@ -75,27 +72,13 @@ TRY = (
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class Held:
     """What :meth:`RunnerLocks.hold` got: whether the batch holds its runners' locks,
-    the runners it tried without waiting that another session holds, and the lock
-    session (lent to the batch's save, which may release the locks with its commit:
-    :mod:`.lent_connection`; then ``released``)."""
+    and the runners it tried without waiting that another session holds."""
 
     locked: bool
     busy: frozenset[str] = frozenset()
-    connection: psycopg.Connection[Any] | None = None
-    released: bool = False
-
-    def release_after_save(self, datastore: object) -> Lent | None:
-        """The session to lend the save of ``datastore``, the unlock to run after its
-        commit (None: no locks held)."""
-        if not self.locked or self.connection is None:
-            return None
-        return Lent(datastore, self.connection, UNLOCK.encode(), self._released)
-
-    def _released(self) -> None:
-        self.released = True
 
 
 def lock_key(namespace: str, runner_id: str) -> int:
@@ -138,7 +121,6 @@ class RunnerLocks:
             return
         patient = runners if wait_for is None else runners & set(wait_for)
         keys = {lock_key(self.namespace, runner): runner for runner in runners}
-        held = Held(False)
         try:
             busy = self._take(
                 connection,
@@ -147,11 +129,12 @@ class RunnerLocks:
             )
             if busy and not worth_deferring(frozenset(keys[k] for k in busy)):
                 busy = self._take_again(connection, sorted(keys))
-            if busy is not None:
-                held = Held(True, frozenset(keys[k] for k in busy), connection)
-            yield held
+            if busy is None:
+                yield Held(False)
+            else:
+                yield Held(True, frozenset(keys[k] for k in busy))
         finally:
-            self._release(connection, unlock=not held.released)
+            self._release(connection)
 
     def close(self) -> None:
         with self._pool_lock:
@@ -159,17 +142,14 @@ class RunnerLocks:
                 self._pool.close()
                 self._pool = None
 
-    def _release(self, connection: psycopg.Connection[Any], *, unlock: bool = True) -> None:
-        """Release every lock of the session (unless the batch's save did) and return
-        its connection to the lock pool; a release that fails or is interrupted ends
-        the session (and its locks): the pool drops a closed connection."""
+    def _release(self, connection: psycopg.Connection[Any]) -> None:
+        """Release every lock of the session and return its connection to the lock pool;
+        a release that fails or is interrupted ends the session (and its locks): the
+        pool drops a closed connection."""
         pool = self._pool
         assert pool is not None
         try:
-            if not connection.closed and (
-                unlock or connection.info.transaction_status != TransactionStatus.IDLE
-            ):
-                rolled_back(connection)
+            if not connection.closed:
                 connection.execute(UNLOCK)
         except psycopg.Error:
             connection.close()
