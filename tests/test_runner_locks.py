@@ -338,3 +338,40 @@ def test_a_lock_session_broken_before_the_fallback_is_not_an_error_of_the_batch(
                 assert held.locked is False  # goes on without the locks
     finally:
         app.close()
+
+
+def test_runners_too_busy_to_defer_are_waited_for_at_once_for_a_while(
+    postgres_schema: PostgresSchema, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch that tried its runners, found most of it on busy ones and waited for all
+    marks them hot: the next batch on them waits for its locks at once, without the try
+    and the release; once HOT_FOR has passed, batches try again."""
+    app = SchedulerApplication(env=postgres_schema.env(), now=clock)
+    try:
+        room = {"vcpu_count": 64, "memory_bytes": 128 * 2**30, "disk_bytes": 1000 * 2**30}
+        register(app, "hot", at=clock(), allocatable=capacity(instances=8, **room))
+        names = [f"s{n}" for n in range(1, 6)]
+        for sandbox_id in names:
+            assert create_sandbox(app, sandbox_id) == "hot"
+        monkeypatch.setattr(runner_locks, "HOT_FOR", 60.0)
+        tried: list[int] = []  # the locks each _take tried without waiting
+        take = runner_locks.RunnerLocks._take
+
+        def spied(self: Any, connection: Any, wait: list[int], attempt: list[int]) -> Any:
+            tried.append(len(attempt))
+            return take(self, connection, wait, attempt)
+
+        monkeypatch.setattr(runner_locks.RunnerLocks, "_take", spied)
+        requests = [schedule_request(s, clock()) for s in names]
+        first = _waits_for_hot(postgres_schema, app, requests[:2], [True, True])
+        assert tried == [1, 0]  # tried, found it busy, waited for all
+        second = PlacementBatch(app).run_deferring(requests[2:4], [True, True])
+        assert tried == [1, 0, 0]  # hot: waited at once
+        app.runner_locks._hot_until = 0.0  # HOT_FOR has passed
+        third = PlacementBatch(app).run_deferring(requests[4:], [True])
+        assert tried == [1, 0, 0, 1]
+        outcomes = [*first, *second, *third]
+        assert all(isinstance(o, tuple) and o[1] for o in outcomes), outcomes
+        assert app.get_runner("hot").reserved.instances == 5
+    finally:
+        app.close()
