@@ -21,11 +21,8 @@ rest of the batch goes on at once: requests on different runners touch different
 streams, so the answers stay those of a serial execution. When the busy runners hold
 more than a quarter of the batch's requests (hot runners every batch needs), the batch
 releases what it got and waits for all its locks in key order instead, so that
-batches taking turns stay whole; for the next ``HOT_FOR`` (0.1 s), a batch of the same
-application that needs those runners, with as many of its requests on them, waits for
-all its locks at once, without the try and the release before (hot runners that every
-batch needs: two statements fewer per batch). A session only ever waits for locks in
-key order and never while holding one it took out of order: no deadlock.
+batches taking turns stay whole. A session only ever waits for locks in key order and
+never while holding one it took out of order: no deadlock.
 
 The locks live on connections of their own (a pool of at most ``LOCK_CONNECTIONS`` per
 application), never on the store's pool: a batch that held one of the store's
@@ -50,7 +47,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -66,7 +62,6 @@ log = logging.getLogger(__name__)
 
 LOCK_WAIT_MS = 2000  # longest wait for each rival lock before going on without
 LOCK_CONNECTIONS = 4  # lock connections per application (batches holding locks at once)
-HOT_FOR = 0.1  # seconds for which runners found busy, too many to defer, are waited for
 CONNECTION_WAIT = 1.0  # seconds a batch waits for a free lock connection
 UNLOCK = "SELECT pg_advisory_unlock_all()"
 # the keys not granted at once (each key tried once, whatever the plan: every row of
@@ -100,8 +95,6 @@ class RunnerLocks:
         self.namespace = ""
         self._pool: ConnectionPool[Any] | None = None
         self._pool_lock = threading.Lock()
-        self._hot: frozenset[str] = frozenset()  # runners a try found busy, not worth deferring
-        self._hot_until = 0.0  # time.monotonic() until which they are taken as busy
         if self.recorder is not None:
             datastore = self.recorder.datastore
             self.namespace = f"{datastore.schema}.{self.recorder.events_table_name}"
@@ -120,19 +113,13 @@ class RunnerLocks:
         (the batch defers their requests instead of waiting), unless
         ``worth_deferring(busy)`` says no: then every lock is released and all of them
         taken again in key order, waiting (so no session ever waits for a lock while it
-        holds one it took out of order). Such runners are **hot** for ``HOT_FOR``
-        seconds: a batch of this application that needs them meanwhile, and would not
-        defer their requests either, waits for all its locks at once (one statement)
-        instead of trying, releasing and waiting (three)."""
+        holds one it took out of order)."""
         runners = set(runner_ids) if self.recorder else set()
         connection = self._connection() if runners else None
         if connection is None:
             yield Held(False)
             return
         patient = runners if wait_for is None else runners & set(wait_for)
-        hot = self._hot & runners if time.monotonic() < self._hot_until else frozenset()
-        if hot and not worth_deferring(frozenset(hot)):
-            patient = runners  # as the last try ended: wait for them all at once
         keys = {lock_key(self.namespace, runner): runner for runner in runners}
         try:
             busy = self._take(
@@ -141,8 +128,6 @@ class RunnerLocks:
                 sorted(k for k, r in keys.items() if r not in patient),
             )
             if busy and not worth_deferring(frozenset(keys[k] for k in busy)):
-                self._hot = frozenset(keys[k] for k in busy)
-                self._hot_until = time.monotonic() + HOT_FOR
                 busy = self._take_again(connection, sorted(keys))
             if busy is None:
                 yield Held(False)
