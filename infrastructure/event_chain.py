@@ -47,6 +47,7 @@ from eventsourcing.sqlite import (
 )
 from eventsourcing.utils import retry
 from psycopg import Rollback
+from psycopg.errors import InsufficientPrivilege, UndefinedFunction
 from psycopg.rows import tuple_row
 from psycopg.sql import SQL, Composable, Composed, Identifier, Literal
 
@@ -55,6 +56,10 @@ from secondbox_scheduler.domain.chain import Chain, ChainedEvent, Link
 log = logging.getLogger("secondbox_scheduler.chain")
 
 UNCHAINED = "no chain link at its version (written before the chain)"
+
+
+def _quoted(identifier: str) -> str:
+    return '"' + identifier.replace('"', '""') + '"'
 
 
 def chain_table(events_table: str) -> str:
@@ -106,7 +111,8 @@ def append_function_statement(
         "END IF;\n"
         "  WITH inserted AS (INSERT INTO {schema}.{events} "
         "(originator_id, originator_version, topic, state) "
-        "SELECT * FROM unnest(ids, versions, topics, states) RETURNING notification_id) "
+        "SELECT u.i, u.v, u.t, u.s FROM unnest(ids, versions, topics, states) "
+        "WITH ORDINALITY AS u(i, v, t, s, n) ORDER BY u.n RETURNING notification_id) "
         "SELECT array_agg(notification_id ORDER BY notification_id) INTO positions "
         "FROM inserted;\n"
         "  FOR i IN 1 .. coalesce(array_length(positions, 1), 0) LOOP\n"
@@ -289,7 +295,7 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
             ).format(schema, append)
         )
         self.append_signature = (
-            f"{datastore.schema}.{append_function(events_table_name)}"
+            f"{_quoted(datastore.schema)}.{_quoted(append_function(events_table_name))}"
             "(uuid[], bigint[], text[], bytea[], text)"
         )
         self._appends_in_server: bool | None = None  # known at the first save
@@ -331,7 +337,15 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
         if self.datastore.enable_db_functions:
             raise ProgrammingError("the chained recorder does not use database functions")
         if stored_events and self.appends_in_server():
-            return self._append_in_server(stored_events, snapshots)
+            try:
+                return self._append_in_server(stored_events, snapshots)
+            except ProgrammingError as error:
+                if not isinstance(error.__cause__, UndefinedFunction | InsufficientPrivilege):
+                    raise
+                # dropped or forbidden since the lookup (nothing was stored): the client
+                # links, for this save and the next
+                log.warning("%s: linking the chain in the client", error)
+                self._appends_in_server = False
         exc: Exception | None = None
         notification_ids: Sequence[int] | None = None
         with self.datastore.get_connection() as conn:
@@ -391,9 +405,13 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
 
     def appends_in_server(self) -> bool:
         """Whether a save links its events in the server (``<events>_append``): an
-        unkeyed chain over UUID ids, the function present (a schema created by an
-        earlier release, under a role that may not create it, has none: then the
-        client links, as before). Looked up once."""
+        unkeyed chain over UUID ids, a UTF8 database (``convert_to(topic, 'UTF8')``
+        from another server encoding is not always Python's ``str.encode()``: some
+        EUC_JP and EUC_KR characters convert differently), the function present and
+        the role allowed to run it (a schema created by an earlier release, under a
+        role that may not create it, has none: then the client links, as before).
+        Looked up once; a save that finds the function gone or forbidden links in the
+        client from then on."""
         if self._appends_in_server is None:
             usable = not self.chain.keyed and self.datastore.originator_id_type == "uuid"
             if usable:
@@ -401,7 +419,11 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
                     self.datastore.get_connection() as conn,
                     conn.cursor(row_factory=tuple_row) as curs,
                 ):
-                    curs.execute("SELECT to_regprocedure(%s) IS NOT NULL", (self.append_signature,))
+                    curs.execute(
+                        "SELECT current_setting('server_encoding') = 'UTF8' AND coalesce("
+                        "has_function_privilege(to_regprocedure(%s), 'EXECUTE'), false)",
+                        (self.append_signature,),
+                    )
                     row = curs.fetchone()
                 usable = bool(row is not None and row[0])
             self._appends_in_server = usable

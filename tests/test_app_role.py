@@ -90,6 +90,23 @@ def test_the_scheduler_runs_under_an_append_only_role_and_the_server_refuses_rew
     finally:
         app.close()
 
+    # found by review: the function present but not the role's to run (a revoke, or
+    # default privileges without PUBLIC): the client links instead of failing saves
+    with psycopg.connect(postgres_schema.server.conninfo(), autocommit=True) as admin:
+        admin.execute(
+            f'REVOKE EXECUTE ON FUNCTION "{postgres_schema.name}".schedulerapplication_'
+            f'events_append(uuid[], bigint[], text[], bytea[], text) FROM "{roles.app}"'
+        )
+    app = SchedulerApplication(
+        env={"SECONDBOX_DATABASE_URL": _url(postgres_schema, roles.app)}, now=clock
+    )
+    try:
+        assert not app.recorder.appends_in_server()  # type: ignore[attr-defined]
+        clock.advance(seconds=1)
+        app.record_heartbeat(runner_id="r1", at=clock())
+    finally:
+        app.close()
+
     events = f'"{postgres_schema.name}".schedulerapplication_events'
     chain = f'"{postgres_schema.name}".schedulerapplication_events_chain'
     with _connect(postgres_schema, roles.app) as connection:

@@ -21,6 +21,7 @@ from secondbox_scheduler.infrastructure.event_chain import (
 )
 from tests.conftest import Clock, PostgresSchema
 from tests.factories import create_sandbox, register, schedule_request
+from tests.postgres_server import PostgresServer
 
 
 def _recorder(app: SchedulerApplication) -> ChainedPostgresRecorder:
@@ -111,10 +112,61 @@ def test_a_schema_without_the_function_links_in_the_client(
                 f'"{append_function(recorder.events_table_name)}"'
             )
         recorder._appends_in_server = None  # a new process looks again
+        assert not recorder.appends_in_server()
         create_sandbox(app, "s1")
         app.schedule(schedule_request("s1", clock()))
+        _relinked(recorder)
+        assert verify(app, measure_raw=False).ok
+    finally:
+        app.close()
+
+
+def test_a_function_dropped_while_running_makes_the_client_link(
+    postgres_schema: PostgresSchema, clock: Clock
+) -> None:
+    """Found by review: the lookup is made once, and a function dropped afterwards (a
+    schema rolled back to an earlier release) failed every save until a restart. The
+    failed statement stored nothing: the save is made again, linked in the client."""
+    app = SchedulerApplication(env=postgres_schema.env(), now=clock)
+    try:
+        recorder = _recorder(app)
+        register(app, "r1", at=clock())
+        assert recorder.appends_in_server()
+        with psycopg.connect(postgres_schema.server.conninfo(), autocommit=True) as conn:
+            conn.execute(
+                f'DROP FUNCTION "{postgres_schema.name}".'
+                f'"{append_function(recorder.events_table_name)}"'
+            )
+        create_sandbox(app, "s1")
+        assert app.schedule(schedule_request("s1", clock()))[1]
         assert recorder._appends_in_server is False
         _relinked(recorder)
         assert verify(app, measure_raw=False).ok
     finally:
         app.close()
+
+
+def test_a_database_not_in_utf8_links_in_the_client(postgres_server: PostgresServer) -> None:
+    """Found by review: ``convert_to(topic, 'UTF8')`` from EUC_JP gives other bytes
+    than Python's ``str.encode()`` for some characters (U+00A2, Hangul in EUC_KR): a
+    server link there would fail ``audit verify`` as an edit. Outside UTF8 the client
+    links."""
+    name = f"t_{uuid.uuid4().hex[:16]}"
+    with psycopg.connect(postgres_server.conninfo(), autocommit=True) as conn:
+        conn.execute(
+            f"CREATE DATABASE {name} ENCODING 'EUC_JP' LC_COLLATE 'C' LC_CTYPE 'C' "
+            "TEMPLATE template0"
+        )
+    try:
+        env = {**postgres_server.env(), "POSTGRES_DBNAME": name}
+        app = SchedulerApplication(env=env)
+        try:
+            recorder = _recorder(app)
+            assert not recorder.appends_in_server()
+            recorder.insert_events([_event("odd:Pr\u00a2ice", b"{}")])
+            _relinked(recorder)
+        finally:
+            app.close()
+    finally:
+        with psycopg.connect(postgres_server.conninfo(), autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE {name} WITH (FORCE)")
