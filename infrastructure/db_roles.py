@@ -18,6 +18,8 @@ from __future__ import annotations
 from psycopg import Connection
 from psycopg.sql import SQL, Composed, Identifier
 
+from secondbox_scheduler.infrastructure.event_chain import APPEND_ARGUMENTS, append_function
+
 APPEND_ONLY = ("events", "events_chain")  # suffixes of the append-only tables
 PREFIX = "schedulerapplication_"
 
@@ -53,15 +55,13 @@ def grant_statements(
         SQL("REVOKE ALL ON FUNCTION {}.{}() FROM PUBLIC").format(s, lock),
         SQL("GRANT EXECUTE ON FUNCTION {}.{}() TO {}").format(s, lock, app),
     ]
-    append = PREFIX + "events_append"
+    append = append_function(PREFIX + "events")
     if connection.execute(  # the save in one statement (a schema of an earlier release: none)
         "SELECT 1 FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
         "WHERE n.nspname = %s AND p.proname = %s",
         (schema, append),
     ).fetchone():
-        signature = SQL("{}.{}(uuid[], bigint[], text[], bytea[], text)").format(
-            s, Identifier(append)
-        )
+        signature = SQL("{}.{}(" + APPEND_ARGUMENTS + ")").format(s, Identifier(append))
         statements += [
             SQL("REVOKE ALL ON FUNCTION {} FROM PUBLIC").format(signature),
             SQL("GRANT EXECUTE ON FUNCTION {} TO {}").format(signature, app),

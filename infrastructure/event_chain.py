@@ -78,6 +78,9 @@ def append_function(events_table: str) -> str:
     return f"{events_table}_append"
 
 
+APPEND_ARGUMENTS = "uuid[], bigint[], text[], bytea[], text"  # the function's signature
+
+
 def append_function_statement(
     schema: Identifier,
     events: Identifier,
@@ -193,17 +196,18 @@ def compiled(statement: Composed) -> bytes:
     return statement.as_bytes(None)
 
 
-def insert_unnested(curs: Any, statement: bytes, stored_events: Sequence[StoredEvent]) -> None:
-    curs.execute(
-        statement,
-        (
-            [s.originator_id for s in stored_events],
-            [s.originator_version for s in stored_events],
-            [s.topic for s in stored_events],
-            [s.state for s in stored_events],
-        ),
-        prepare=True,
+def unnested(stored_events: Sequence[StoredEvent]) -> tuple[list[Any], ...]:
+    """The four arrays (ids, versions, topics, states) of ``stored_events``."""
+    return (
+        [s.originator_id for s in stored_events],
+        [s.originator_version for s in stored_events],
+        [s.topic for s in stored_events],
+        [s.state for s in stored_events],
     )
+
+
+def insert_unnested(curs: Any, statement: bytes, stored_events: Sequence[StoredEvent]) -> None:
+    curs.execute(statement, unnested(stored_events), prepare=True)
 
 
 class ChainedRecorder:
@@ -296,7 +300,7 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
         )
         self.append_signature = (
             f"{_quoted(datastore.schema)}.{_quoted(append_function(events_table_name))}"
-            "(uuid[], bigint[], text[], bytea[], text)"
+            f"({APPEND_ARGUMENTS})"
         )
         self._appends_in_server: bool | None = None  # known at the first save
         # statements rendered once: psycopg renders a Composed again at every execute
@@ -386,13 +390,7 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
                                 prepare=True,
                             )
                             if snapshots is not None:
-                                snapshots.write(
-                                    curs,
-                                    {
-                                        (e.originator_id, e.originator_version): k.digest
-                                        for e, k in zip(stored_events, links, strict=True)
-                                    },
-                                )
+                                snapshots.write(curs, stored_events, [k.digest for k in links])
                         except Exception as e:
                             exc = e  # raised after the pipeline is closed, as the library does
                 if exc is not None:
@@ -436,13 +434,7 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
         notification), its own transaction on the pool's autocommit connection: one
         round trip, the commit included. With snapshots, which are sealed with the new
         links' digests: the statement, then the snapshots, in one transaction."""
-        params = (
-            [s.originator_id for s in stored_events],
-            [s.originator_version for s in stored_events],
-            [s.topic for s in stored_events],
-            [s.state for s in stored_events],
-            f"{self.datastore.lock_timeout}s",
-        )
+        params = (*unnested(stored_events), f"{self.datastore.lock_timeout}s")
         exc: Exception | None = None
         with (
             self.datastore.get_connection() as conn,
@@ -457,13 +449,7 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
                         appended.execute(self.append_statement, params, prepare=True)
                         pipeline.sync()
                         rows = appended.fetchall()
-                        snapshots.write(
-                            curs,
-                            {
-                                (e.originator_id, e.originator_version): bytes(row[1])
-                                for e, row in zip(stored_events, rows, strict=True)
-                            },
-                        )
+                        snapshots.write(curs, stored_events, [bytes(row[1]) for row in rows])
                     except Exception as e:
                         exc = e  # raised after the pipeline is closed, as the library does
                     if exc is not None:
@@ -487,8 +473,17 @@ class SnapshotsWithin:
         self.recorder = recorder
         self.stored = stored
 
-    def write(self, curs: Any, digests: dict[tuple[UUID | str, int], bytes]) -> None:
-        self.recorder.write_sealed(curs, self.stored, digests)
+    def write(self, curs: Any, saved: Sequence[StoredEvent], digests: Sequence[bytes]) -> None:
+        """Write them on ``curs``, sealed with the chain digests of ``saved`` (the
+        events of the save, each with its digest, in order)."""
+        self.recorder.write_sealed(
+            curs,
+            self.stored,
+            {
+                (e.originator_id, e.originator_version): digest
+                for e, digest in zip(saved, digests, strict=True)
+            },
+        )
 
 
 # -- snapshots ----------------------------------------------------------------------

@@ -28,11 +28,14 @@ from secondbox_scheduler.infrastructure.bench.fleet import (
     roomy_fleet,
 )
 from secondbox_scheduler.infrastructure.bench.goals import GOAL_BATCHED
+from secondbox_scheduler.infrastructure.bench.report import throughput_table
 from secondbox_scheduler.infrastructure.bench.workers import (
     ScheduleJob,
+    WorkerResult,
     _arrivals,
     _run_schedule,
     _WorkerState,
+    summarize,
 )
 from secondbox_scheduler.infrastructure.cli import cli
 from secondbox_scheduler.infrastructure.settings import DATABASE_URL
@@ -166,6 +169,7 @@ def test_quick_bench_on_sqlite_reports_every_section_and_goal(quick: QuickRun) -
     assert_throughput(batched, "placed")
     assert batched["batches"] >= 1
     assert 1 <= batched["batch_size_mean"] <= batched["batch_size_max"] <= 64
+    assert 0 <= batched["deferred_per_call"] <= 1
     assert report["raw_baseline"]["batched_aggregates"]["aggregates_per_transaction"] == 32
     steady = report["batched_steady"]  # the open loop at the goal's rate
     assert_throughput(steady, "placed")
@@ -326,3 +330,23 @@ def test_bench_refuses_a_caller_count_out_of_range(callers: str) -> None:
     result = bench("--quick", "--only", "batched", "--callers", callers)
     assert result.exit_code == 2
     assert "--callers" in result.output
+
+
+def test_deferred_placements_are_counted_per_call_and_shown_in_the_batched_row() -> None:
+    """The share of placements a batch handed back: summed over the workers, per call."""
+    results = [
+        WorkerResult(worker=w, started=0.0, finished=1.0, calls=100, latencies_ms=[1.0],
+                     outcomes={"placed": 100}, deferred=d)
+        for w, d in ((0, 3), (1, 5))
+    ]  # fmt: skip
+    summary = summarize(results)
+    assert summary["deferred_per_call"] == 0.04
+    report = {
+        "settings": {"workers": 2},
+        "batched": {**summary, "callers_per_worker": 10, "runners": 1000},
+    }  # `--only batched`: found here printing no table at all
+    table = throughput_table(report)
+    assert table is not None
+    console = Console(width=300, record=True)
+    console.print(table)
+    assert "4.0% deferred" in console.export_text()

@@ -26,8 +26,9 @@ def _ratio(value: float | None) -> str:
 def throughput_table(report: dict[str, Any]) -> Table | None:
     raw, placement = report.get("raw_baseline"), report.get("placement")
     contention, over_http = report.get("contention"), report.get("http")
-    if not (raw or placement or contention or over_http):
-        return None
+    runs = ("batched", "batched_steady", "contention_batched", "row_lock")
+    if not (raw or placement or contention or over_http or any(report.get(r) for r in runs)):
+        return None  # (`--only batched` or `--only row_lock`: no raw run, a table still)
     workers = report["settings"]["workers"]
     table = Table(title=f"Throughput, {workers} worker processes", box=box.SIMPLE)
     columns = ("run", "per s", "p50 ms", "p95 ms", "p99 ms", "retries/call", "errors", "ratio")
