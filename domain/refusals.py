@@ -11,11 +11,13 @@ state keeps only the last refusal per operation, so it does not grow either.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from eventsourcing.domain import Aggregate
 
+from secondbox_scheduler.domain.errors import PlacementError
 from secondbox_scheduler.domain.evidence import RunnerEvaluation, Unlisted, summarize_refusals
 from secondbox_scheduler.domain.ids import refusal_log_uuid
 from secondbox_scheduler.domain.values import Requirements
@@ -91,6 +93,32 @@ class RefusalLog(Aggregate):
             requirements=None if requirements is None else requirements.to_record(),
         )
         return True
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A refused placement to record in its sandbox's log."""
+
+    sandbox_id: str
+    operation: str
+    generation: int
+    error: PlacementError
+    decided_at: datetime
+    heartbeat_timeout: timedelta
+    requirements: Requirements | None = None  # a refused creation's
+
+    def add_to(self, log: RefusalLog) -> bool:
+        """Record it in ``log`` (False: the same reasons as the last one recorded)."""
+        return log.refuse(
+            operation=self.operation,
+            generation=self.generation,
+            error=type(self.error).__name__,
+            evaluations=self.error.evaluations,
+            decided_at=self.decided_at,
+            heartbeat_timeout=self.heartbeat_timeout,
+            unlisted=self.error.unlisted,
+            requirements=self.requirements,
+        )
 
 
 def _reasons(candidates: list[dict[str, Any]], unlisted: dict[str, Any] | None) -> list[Any]:

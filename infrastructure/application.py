@@ -49,7 +49,7 @@ from secondbox_scheduler.domain.limits import (
     MAX_PROOF_VALUE_LENGTH,
 )
 from secondbox_scheduler.domain.reconcile import ReconcileDecision
-from secondbox_scheduler.domain.refusals import OPERATION_CREATE, RefusalLog
+from secondbox_scheduler.domain.refusals import OPERATION_CREATE, Refusal, RefusalLog
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.sandbox import Sandbox, assignment_history
 from secondbox_scheduler.domain.values import (
@@ -72,6 +72,7 @@ from secondbox_scheduler.infrastructure.event_chain import (
     SealedSQLiteSnapshots,
 )
 from secondbox_scheduler.infrastructure.event_encoding import EventMapper
+from secondbox_scheduler.infrastructure.fast_forward import load_many
 from secondbox_scheduler.infrastructure.metrics import (
     MetricsSink,
     PrometheusMetrics,
@@ -368,15 +369,13 @@ class SchedulerApplication(Application[UUID]):
         sealed: SealedSnapshots
         if isinstance(datastore, SQLiteDatastore):
             sealed = SealedSQLiteSnapshots(datastore, events_table_name=name)
-            if create:
-                sealed.create_table()
         elif isinstance(datastore, PostgresDatastore):
             sealed = SealedPostgresSnapshots(datastore, events_table_name=name)
-            if create:
-                sealed.create_table()
         else:  # pragma: no cover - chained recorders exist for these two stores only
             return store
-        sealed.configure(self.chain, recorder.events_table_name)
+        sealed.configure(self.chain, recorder.events_table_name)  # before its tables
+        if create:
+            sealed.create_table()
         return EventStore(mapper=self.mapper, recorder=sealed)
 
     # -- helpers --------------------------------------------------------------
@@ -664,22 +663,48 @@ class SchedulerApplication(Application[UUID]):
         """Record a refused placement as evidence (best effort: it never changes the
         outcome; a lost race is retried a few times, then the record is dropped).
         ``requirements``: a refused creation's, so that it can be replayed."""
-        self.metrics.refusal(operation, error)
+        self._record_refusals([
+            Refusal(
+                sandbox_id, operation, generation, error, decided_at, heartbeat_timeout,
+                requirements,
+            )
+        ])  # fmt: skip
+
+    def _record_refusals(self, refusals: Sequence[Refusal]) -> None:
+        """Record refused placements as evidence: several (a batch's) with one read of
+        their sandboxes' logs and one save (one by one, with a round trip and a commit
+        each, they held up a batch's callers when a full fleet refused most of it); a
+        lost race, or a single one: each alone, as best effort (above)."""
+        for refusal in refusals:
+            self.metrics.refusal(refusal.operation, refusal.error)
+        if len(refusals) > 1:
+            loaded = load_many(self, [refusal_log_uuid(r.sandbox_id) for r in refusals])
+            logs: dict[str, RefusalLog] = {}
+            recorded = 0
+            for refusal in refusals:
+                log = logs.get(refusal.sandbox_id) or loaded.get(
+                    refusal_log_uuid(refusal.sandbox_id)
+                )
+                if not isinstance(log, RefusalLog):
+                    log = RefusalLog.open(refusal.sandbox_id, refusal.decided_at)
+                logs[refusal.sandbox_id] = log
+                recorded += refusal.add_to(log)
+            changed = [log for log in logs.values() if log.pending_events]
+            try:
+                self.save(*changed)
+                self.metrics.add("refusals_recorded", recorded)
+                return
+            except IntegrityError:
+                pass  # another replica recorded one of them first: each alone
+        for refusal in refusals:
+            self._store_refusal(refusal)
+
+    def _store_refusal(self, refusal: Refusal) -> None:
         for _ in range(4):
-            log = self._load(refusal_log_uuid(sandbox_id), RefusalLog) or RefusalLog.open(
-                sandbox_id, decided_at
+            log = self._load(refusal_log_uuid(refusal.sandbox_id), RefusalLog) or (
+                RefusalLog.open(refusal.sandbox_id, refusal.decided_at)
             )
-            recorded = log.refuse(
-                operation=operation,
-                generation=generation,
-                error=type(error).__name__,
-                evaluations=error.evaluations,
-                decided_at=decided_at,
-                heartbeat_timeout=heartbeat_timeout,
-                unlisted=error.unlisted,
-                requirements=requirements,
-            )
-            if not recorded:
+            if not refusal.add_to(log):
                 return
             try:
                 self.save(log)

@@ -9,8 +9,9 @@ it may not UPDATE, DELETE or TRUNCATE the events or the chain: the server refuse
 takes the events table's write lock through the owner's ``SECURITY DEFINER`` function
 ``<events>_lock()`` (EXECUTE granted to it alone), since ``LOCK TABLE ... IN EXCLUSIVE
 MODE`` needs UPDATE, DELETE or TRUNCATE privilege. EXECUTE on ``<events>_append(...)``
-(the save of an unkeyed chain in one statement; ``SECURITY INVOKER``, so it inserts with
-the application role's own privileges) is likewise granted to the application role alone.
+and ``<events>_append_with_snapshots(...)`` (the saves of an unkeyed chain in one
+statement, :mod:`.server_append`; ``SECURITY INVOKER``, so they insert with the
+application role's own privileges) is likewise granted to the application role alone.
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ from __future__ import annotations
 from psycopg import Connection
 from psycopg.sql import SQL, Composed, Identifier
 
-from secondbox_scheduler.infrastructure.event_chain import APPEND_ARGUMENTS, append_function
+from secondbox_scheduler.infrastructure.server_append import (
+    APPEND_ARGUMENTS,
+    APPEND_WITH_SNAPSHOTS_ARGUMENTS,
+    append_function,
+    append_with_snapshots_function,
+)
 
 APPEND_ONLY = ("events", "events_chain")  # suffixes of the append-only tables
 PREFIX = "schedulerapplication_"
@@ -55,17 +61,20 @@ def grant_statements(
         SQL("REVOKE ALL ON FUNCTION {}.{}() FROM PUBLIC").format(s, lock),
         SQL("GRANT EXECUTE ON FUNCTION {}.{}() TO {}").format(s, lock, app),
     ]
-    append = append_function(PREFIX + "events")
-    if connection.execute(  # the save in one statement (a schema of an earlier release: none)
-        "SELECT 1 FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
-        "WHERE n.nspname = %s AND p.proname = %s",
-        (schema, append),
-    ).fetchone():
-        signature = SQL("{}.{}(" + APPEND_ARGUMENTS + ")").format(s, Identifier(append))
-        statements += [
-            SQL("REVOKE ALL ON FUNCTION {} FROM PUBLIC").format(signature),
-            SQL("GRANT EXECUTE ON FUNCTION {} TO {}").format(signature, app),
-        ]
+    for function, arguments in (
+        (append_function(PREFIX + "events"), APPEND_ARGUMENTS),
+        (append_with_snapshots_function(PREFIX + "events"), APPEND_WITH_SNAPSHOTS_ARGUMENTS),
+    ):  # the saves in one statement (a schema of an earlier release: none or one)
+        if connection.execute(
+            "SELECT 1 FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
+            "WHERE n.nspname = %s AND p.proname = %s",
+            (schema, function),
+        ).fetchone():
+            signature = SQL("{}.{}(" + arguments + ")").format(s, Identifier(function))
+            statements += [
+                SQL("REVOKE ALL ON FUNCTION {} FROM PUBLIC").format(signature),
+                SQL("GRANT EXECUTE ON FUNCTION {} TO {}").format(signature, app),
+            ]
     statements.append(SQL("GRANT USAGE ON ALL SEQUENCES IN SCHEMA {} TO {}").format(s, app))
     for table in tables:
         t = Identifier(table)

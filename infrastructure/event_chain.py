@@ -52,10 +52,20 @@ from psycopg.rows import tuple_row
 from psycopg.sql import SQL, Composable, Composed, Identifier, Literal
 
 from secondbox_scheduler.domain.chain import Chain, ChainedEvent, Link
+from secondbox_scheduler.infrastructure.server_append import (
+    APPEND_ARGUMENTS,
+    APPEND_WITH_SNAPSHOTS_ARGUMENTS,
+    append_function,
+    append_function_statement,
+    append_with_snapshots_function,
+    append_with_snapshots_statement,
+    usable_in_server,
+)
 
 log = logging.getLogger("secondbox_scheduler.chain")
 
 UNCHAINED = "no chain link at its version (written before the chain)"
+MAX_IDENTIFIER_LENGTH = 63  # PostgreSQL's NAMEDATALEN - 1
 
 
 def _quoted(identifier: str) -> str:
@@ -72,75 +82,6 @@ def seal_table(snapshots_table: str) -> str:
 
 def lock_function(events_table: str) -> str:
     return f"{events_table}_lock"
-
-
-def append_function(events_table: str) -> str:
-    return f"{events_table}_append"
-
-
-APPEND_ARGUMENTS = "uuid[], bigint[], text[], bytea[], text"  # the function's signature
-
-
-def append_function_statement(
-    schema: Identifier,
-    events: Identifier,
-    chain: Identifier,
-    lock: Identifier,
-    append: Identifier,
-    channel: str,
-) -> Composed:
-    """``<events>_append(ids, versions, topics, states, lock_timeout)``: the save of an
-    unkeyed chain in one statement. It takes the events table's lock, inserts the events
-    (their notification ids in input order: the lock serialises the sequence), computes
-    each link exactly as :meth:`~secondbox_scheduler.domain.chain.Chain.digest` does with
-    SHA-256 (every field length-prefixed or fixed-width, big-endian), inserts the links,
-    and returns each event's position and digest. The lock is then held for one round
-    trip and the commit, not for two round trips and the client's hashing in between. A
-    keyed chain never sends its key to the server: it links in the client."""
-    return SQL(
-        "CREATE OR REPLACE FUNCTION {schema}.{append}("
-        "ids uuid[], versions bigint[], topics text[], states bytea[], lock_timeout text) "
-        "RETURNS TABLE (appended bigint, link bytea) "
-        "LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $BODY$\n"
-        "DECLARE\n"
-        "  positions bigint[]; previous bigint[]; digests bytea[];\n"
-        "  prior_position bigint; prior bytea; topic bytea;\n"
-        "BEGIN\n"
-        "  PERFORM set_config('lock_timeout', lock_timeout, true);\n"
-        "  PERFORM {schema}.{lock}();\n"
-        "  SELECT c.position, c.digest INTO prior_position, prior FROM {schema}.{chain} c "
-        "ORDER BY c.position DESC LIMIT 1;\n"
-        "  IF NOT FOUND THEN prior_position := 0; prior := decode(repeat('00', 32), 'hex'); "
-        "END IF;\n"
-        "  WITH inserted AS (INSERT INTO {schema}.{events} "
-        "(originator_id, originator_version, topic, state) "
-        "SELECT u.i, u.v, u.t, u.s FROM unnest(ids, versions, topics, states) "
-        "WITH ORDINALITY AS u(i, v, t, s, n) ORDER BY u.n RETURNING notification_id) "
-        "SELECT array_agg(notification_id ORDER BY notification_id) INTO positions "
-        "FROM inserted;\n"
-        "  FOR i IN 1 .. coalesce(array_length(positions, 1), 0) LOOP\n"
-        "    topic := convert_to(topics[i], 'UTF8');\n"
-        "    previous[i] := prior_position;\n"
-        "    prior := sha256(convert_to('secondbox-chain-v1', 'UTF8') || prior "
-        "|| int8send(prior_position) || int8send(positions[i]) "
-        "|| int8send(16::bigint) || uuid_send(ids[i]) || int8send(versions[i]) "
-        "|| int8send(octet_length(topic)::bigint) || topic "
-        "|| int8send(octet_length(states[i])::bigint) || states[i]);\n"
-        "    digests[i] := prior;\n"
-        "    prior_position := positions[i];\n"
-        "  END LOOP;\n"
-        "  INSERT INTO {schema}.{chain} SELECT * FROM unnest(positions, previous, digests);\n"
-        "  PERFORM pg_notify({channel}, '');\n"
-        "  RETURN QUERY SELECT * FROM unnest(positions, digests);\n"
-        "END;$BODY$"
-    ).format(
-        schema=schema,
-        append=append,
-        lock=lock,
-        chain=chain,
-        events=events,
-        channel=Literal(channel),
-    )
 
 
 def _as_link(row: Sequence[Any] | None) -> Link | None:
@@ -189,6 +130,29 @@ def seal_and_digest(names: dict[str, Identifier], alias: str) -> Composed:
         "ON c.position = e.notification_id WHERE e.originator_id = {alias}.originator_id "
         "AND e.originator_version = {alias}.originator_version) AS digest"
     ).format(alias=Identifier(alias), **names)
+
+
+def lz4_statement(schema: str, table: str) -> Composed:
+    """The ``state`` column of a snapshots table compressed with LZ4 instead of
+    PostgreSQL's default pglz: a snapshot of a runner holding 700 reservations is 145 KB
+    of JSON, which pglz compressed in about 2 ms of the server's time in each save that
+    took it (docs/performance.md). Done once per table (when the column is not LZ4
+    yet: the ``ALTER`` takes the table's ACCESS EXCLUSIVE lock for an instant, so it
+    waits at most one second for it); a server without LZ4 (or before PostgreSQL 14)
+    keeps pglz, and so does a table whose lock is not granted in time (the next start
+    tries again). Rows already stored keep their compression; both are read alike."""
+    return SQL(
+        "DO $$ BEGIN "
+        "IF (SELECT a.attcompression FROM pg_catalog.pg_attribute a WHERE a.attrelid = "
+        "to_regclass(format('%I.%I', {schema}, {table})) AND a.attname = 'state') <> 'l' THEN "
+        "PERFORM set_config('lock_timeout', '1s', true); "
+        "EXECUTE format('ALTER TABLE %I.%I ALTER COLUMN state SET COMPRESSION lz4', "
+        "{schema}, {table}); "
+        "END IF; "
+        "EXCEPTION WHEN feature_not_supported OR lock_not_available OR syntax_error "
+        "OR undefined_column OR invalid_parameter_value THEN NULL; "
+        "END $$"
+    ).format(schema=Literal(schema), table=Literal(table))
 
 
 def compiled(statement: Composed) -> bytes:
@@ -411,20 +375,11 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
         Looked up once; a save that finds the function gone or forbidden links in the
         client from then on."""
         if self._appends_in_server is None:
-            usable = not self.chain.keyed and self.datastore.originator_id_type == "uuid"
-            if usable:
-                with (
-                    self.datastore.get_connection() as conn,
-                    conn.cursor(row_factory=tuple_row) as curs,
-                ):
-                    curs.execute(
-                        "SELECT current_setting('server_encoding') = 'UTF8' AND coalesce("
-                        "has_function_privilege(to_regprocedure(%s), 'EXECUTE'), false)",
-                        (self.append_signature,),
-                    )
-                    row = curs.fetchone()
-                usable = bool(row is not None and row[0])
-            self._appends_in_server = usable
+            self._appends_in_server = (
+                not self.chain.keyed
+                and self.datastore.originator_id_type == "uuid"
+                and usable_in_server(self.datastore, self.append_signature)
+            )
         return self._appends_in_server
 
     def _append_in_server(
@@ -433,29 +388,60 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
         """The save as one statement (``<events>_append``: lock, events, links, the
         notification), its own transaction on the pool's autocommit connection: one
         round trip, the commit included. With snapshots, which are sealed with the new
-        links' digests: the statement, then the snapshots, in one transaction."""
+        links' digests: ``<events>_append_with_snapshots`` seals and writes them in the
+        same statement; where it is absent or forbidden, the append then the snapshots,
+        in one transaction (two round trips)."""
         params = (*unnested(stored_events), f"{self.datastore.lock_timeout}s")
+        if snapshots is not None and snapshots.recorder.appends_in_server():
+            try:
+                return self._appended(
+                    stored_events,
+                    snapshots.recorder.append_statement,
+                    (*params, *unnested(snapshots.stored)),
+                )
+            except ProgrammingError as error:
+                if not isinstance(error.__cause__, UndefinedFunction | InsufficientPrivilege):
+                    raise
+                # dropped or forbidden since the lookup (nothing was stored): sealed in
+                # the client, for this save and the next
+                log.warning("%s: sealing the snapshots in the client", error)
+                snapshots.recorder._appends_in_server = False
+        if snapshots is None:
+            return self._appended(stored_events, self.append_statement, params)
         exc: Exception | None = None
         with (
             self.datastore.get_connection() as conn,
             conn.cursor(row_factory=tuple_row) as appended,
         ):
-            if snapshots is None:
-                appended.execute(self.append_statement, params, prepare=True)
-                rows = appended.fetchall()
-            else:
-                with conn.pipeline() as pipeline, conn.transaction(), conn.cursor() as curs:
-                    try:
-                        appended.execute(self.append_statement, params, prepare=True)
-                        pipeline.sync()
-                        rows = appended.fetchall()
-                        snapshots.write(curs, stored_events, [bytes(row[1]) for row in rows])
-                    except Exception as e:
-                        exc = e  # raised after the pipeline is closed, as the library does
-                    if exc is not None:
-                        raise Rollback
-                if exc:
-                    raise exc
+            with conn.pipeline() as pipeline, conn.transaction(), conn.cursor() as curs:
+                try:
+                    appended.execute(self.append_statement, params, prepare=True)
+                    pipeline.sync()
+                    rows = appended.fetchall()
+                    snapshots.write(curs, stored_events, [bytes(row[1]) for row in rows])
+                except Exception as e:
+                    exc = e  # raised after the pipeline is closed, as the library does
+                if exc is not None:
+                    raise Rollback
+            if exc:
+                raise exc
+        return self._positions(rows, stored_events)
+
+    def _appended(
+        self, stored_events: Sequence[StoredEvent], statement: bytes, params: tuple[Any, ...]
+    ) -> Sequence[int]:
+        """The positions of ``stored_events`` saved by one statement (a function of
+        :mod:`.server_append`) on the pool's autocommit connection."""
+        with (
+            self.datastore.get_connection() as conn,
+            conn.cursor(row_factory=tuple_row) as appended,
+        ):
+            appended.execute(statement, params, prepare=True)
+            rows = appended.fetchall()
+        return self._positions(rows, stored_events)
+
+    @staticmethod
+    def _positions(rows: Sequence[Any], stored_events: Sequence[StoredEvent]) -> list[int]:
         if len(rows) != len(stored_events):
             raise ProgrammingError(
                 f"Couldn't get all notification IDs (got {len(rows)}, "
@@ -668,6 +654,53 @@ class SealedPostgresSnapshots(SealedSnapshots, PostgresAggregateRecorder):
                 "PRIMARY KEY (originator_id, originator_version))"
             ).format(Identifier(datastore.schema), Identifier(seal_table(events_table_name)))
         )
+        self.sql_create_statements.append(lz4_statement(datastore.schema, events_table_name))
+        self.append_statement = b""
+        self.append_signature = ""
+        self._appends_in_server: bool | None = False  # until configured
+
+    def configure(self, chain: Chain, events_table: str) -> None:
+        """As :meth:`SealedSnapshots.configure`, and the save of events with snapshots
+        in one statement (``<events>_append_with_snapshots``, created with the tables
+        when its name fits PostgreSQL's identifiers: else the snapshots are sealed in
+        the client)."""
+        super().configure(chain, events_table)
+        name = append_with_snapshots_function(events_table)
+        if len(name) > MAX_IDENTIFIER_LENGTH:
+            return
+        schema = Identifier(self.datastore.schema)
+        self.sql_create_statements.append(
+            append_with_snapshots_statement(
+                schema,
+                Identifier(append_function(events_table)),
+                Identifier(name),
+                Identifier(self.events_table_name),
+                Identifier(seal_table(self.events_table_name)),
+            )
+        )
+        self.append_statement = compiled(
+            SQL(
+                "SELECT * FROM {}.{}(%b::uuid[], %b::bigint[], %b::text[], %b::bytea[], %s, "
+                "%b::uuid[], %b::bigint[], %b::text[], %b::bytea[])"
+            ).format(schema, Identifier(name))
+        )
+        self.append_signature = (
+            f"{_quoted(self.datastore.schema)}.{_quoted(name)}({APPEND_WITH_SNAPSHOTS_ARGUMENTS})"
+        )
+        self._appends_in_server = None  # known at the first save with snapshots
+
+    def appends_in_server(self) -> bool:
+        """Whether a save seals its snapshots in the server (as
+        :meth:`ChainedPostgresRecorder.appends_in_server`, for
+        ``<events>_append_with_snapshots``). Looked up once; a save that finds it gone
+        or forbidden seals in the client from then on."""
+        if self._appends_in_server is None:
+            self._appends_in_server = (
+                not self.chain.keyed
+                and self.datastore.originator_id_type == "uuid"
+                and usable_in_server(self.datastore, self.append_signature)
+            )
+        return self._appends_in_server
 
     @cached_property
     def _statements(self) -> dict[str, bytes]:

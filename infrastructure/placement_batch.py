@@ -51,7 +51,7 @@ from secondbox_scheduler.domain.ids import (
     sandbox_uuid,
 )
 from secondbox_scheduler.domain.lease import RunnerLease
-from secondbox_scheduler.domain.refusals import OPERATION_SCHEDULE
+from secondbox_scheduler.domain.refusals import OPERATION_SCHEDULE, Refusal
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.sandbox import TOKEN_REUSED, Sandbox
 from secondbox_scheduler.domain.values import DurableAssignment, ScheduleRequest
@@ -125,14 +125,15 @@ class PlacementBatch:
                     [p for p in pending if p[0] not in deferred], sandboxes, homes - held.busy
                 )
                 retry = self._commit(decisions)
+            self._refuse_used_tokens([d for d in decisions if d.index not in retry])
             may_defer = False  # a request decided again waits for its runner
             if deferred:
                 self.app.metrics.add("placements_deferred", len(deferred))
-            for decision in decisions:
-                if decision.index in retry:
-                    continue
+            final = [decision for decision in decisions if decision.index not in retry]
+            for decision in final:
                 outcomes[decision.index] = decision.outcome
                 self._account(decision)
+            self.app._record_refusals([r for d in final if (r := _refusal(d)) is not None])
             todo = []
             for index in sorted(retry):
                 conflicts[index] += 1
@@ -240,8 +241,7 @@ class PlacementBatch:
                 clock=clock,
             )
         except PlacementError as error:  # the rules refused: evidence worth recording
-            self._refuse_a_used_token(request, sandbox.generation)
-            decision.refusal = error
+            decision.refusal = error  # unless its token is reused (_refuse_used_tokens)
             raise
         assert request.now is not None
         runner.reserve(
@@ -302,15 +302,27 @@ class PlacementBatch:
         for aggregate in {id(a): a for a in committed if isinstance(a, Runner)}.values():
             cache.put(aggregate.id, aggregate)
 
-    def _refuse_a_used_token(self, request: ScheduleRequest, generation: int) -> None:
-        """Before a placement refusal: a token an earlier generation used makes the
-        request invalid whatever the runner's state (on success the save finds it)."""
-        digest = token_sha256(request.fencing_token.hex())
-        used = self.app._load(
-            fencing_token_uuid(request.sandbox_id, digest), FencingTokenUse, copy=False
-        )
-        if used is not None and used.generation != generation:
-            raise InvalidRequestError("fencing_token", TOKEN_REUSED)
+    def _refuse_used_tokens(self, decisions: list[_Decision]) -> None:
+        """The placement refusals whose token an earlier generation used: those requests
+        are invalid whatever the runners' state (invariant 3), and that is their answer
+        (on success the save finds a reused token itself). One read for all of them,
+        after the runners' locks: a refusal writes nothing, so no other decision of the
+        batch depends on it, and a token's use by an earlier generation never changes."""
+        refused = [d for d in decisions if d.refusal is not None]
+        if not refused:
+            return
+        streams = {
+            d.index: fencing_token_uuid(
+                d.request.sandbox_id, token_sha256(d.request.fencing_token.hex())
+            )
+            for d in refused
+        }
+        used = load_many(self.app, list(set(streams.values())), cache_new=False)
+        for decision in refused:
+            earlier = used.get(streams[decision.index])
+            if isinstance(earlier, FencingTokenUse) and earlier.generation != decision.generation:
+                decision.outcome = InvalidRequestError("fencing_token", TOKEN_REUSED)
+                decision.refusal = None
 
     def _reused_token(self, decision: _Decision, changed: set[UUID]) -> bool:
         """Whether the save failed because an earlier generation used the request's token
@@ -343,13 +355,18 @@ class PlacementBatch:
         outcome = decision.outcome
         if isinstance(outcome, tuple):
             self.app.metrics.add("placements" if outcome[1] else "replays")
-        if decision.refusal is not None:
-            request = decision.request
-            assert request.now is not None
-            self.app._record_refusal(
-                request.sandbox_id, OPERATION_SCHEDULE, decision.generation, decision.refusal,
-                request.now, request.heartbeat_timeout,
-            )  # fmt: skip
+
+
+def _refusal(decision: _Decision) -> Refusal | None:
+    """The placement refusal of a final decision, to record as evidence."""
+    request = decision.request
+    if decision.refusal is None:
+        return None
+    assert request.now is not None
+    return Refusal(
+        request.sandbox_id, OPERATION_SCHEDULE, decision.generation, decision.refusal,
+        request.now, request.heartbeat_timeout,
+    )  # fmt: skip
 
 
 def _few_deferred(homes: list[str], requests: int, busy: frozenset[str]) -> bool:

@@ -18,8 +18,12 @@ from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit_replay import verify
 from secondbox_scheduler.infrastructure.cli import cli
 from secondbox_scheduler.infrastructure.db_roles import grant
+from secondbox_scheduler.infrastructure.server_append import (
+    APPEND_ARGUMENTS,
+    APPEND_WITH_SNAPSHOTS_ARGUMENTS,
+)
 from tests.conftest import Clock, PostgresSchema
-from tests.factories import create_sandbox, register, schedule_request
+from tests.factories import capacity, create_sandbox, register, schedule_request
 
 
 @dataclass
@@ -71,7 +75,8 @@ def test_the_scheduler_runs_under_an_append_only_role_and_the_server_refuses_rew
     with psycopg.connect(postgres_schema.server.conninfo(), autocommit=True) as admin:
         statements = grant(admin, postgres_schema.name, roles.owner, roles.app, roles.auditor)
     assert any("GRANT SELECT, INSERT ON" in s and "_events" in s for s in statements)
-    assert any("GRANT EXECUTE" in s and "_events_append" in s for s in statements)
+    assert any("GRANT EXECUTE" in s and '_events_append"(' in s for s in statements)
+    assert any("GRANT EXECUTE" in s and '_events_append_with_snapshots"(' in s for s in statements)
 
     # start-up under the application role: no CREATE privilege needed
     app = SchedulerApplication(
@@ -87,16 +92,31 @@ def test_the_scheduler_runs_under_an_append_only_role_and_the_server_refuses_rew
             clock.advance(seconds=1)
             app.record_heartbeat(runner_id="r1", at=clock())
         assert app.fold_runner("r1").reserved.vcpu_count == 0
+        # a batch past a runner's snapshot interval: saved, sealed in the server
+        room = {"vcpu_count": 128, "memory_bytes": 256 * 2**30, "disk_bytes": 2000 * 2**30}
+        register(app, "r2", at=clock(), allocatable=capacity(instances=64, operations=64, **room))
+        names = [f"b{n}" for n in range(10)]
+        for name in names:
+            create_sandbox(app, name)
+        assert all(isinstance(o, tuple) for o in app.schedule_many(
+            [schedule_request(name, clock()) for name in names]
+        ))  # fmt: skip
+        assert app.snapshots is not None
+        assert app.snapshots.recorder.appends_in_server()  # type: ignore[attr-defined]
     finally:
         app.close()
 
     # found by review: the function present but not the role's to run (a revoke, or
     # default privileges without PUBLIC): the client links instead of failing saves
     with psycopg.connect(postgres_schema.server.conninfo(), autocommit=True) as admin:
-        admin.execute(
-            f'REVOKE EXECUTE ON FUNCTION "{postgres_schema.name}".schedulerapplication_'
-            f'events_append(uuid[], bigint[], text[], bytea[], text) FROM "{roles.app}"'
-        )
+        for function, arguments in (
+            ("events_append", APPEND_ARGUMENTS),
+            ("events_append_with_snapshots", APPEND_WITH_SNAPSHOTS_ARGUMENTS),
+        ):
+            admin.execute(
+                f'REVOKE EXECUTE ON FUNCTION "{postgres_schema.name}".schedulerapplication_'
+                f'{function}({arguments}) FROM "{roles.app}"'
+            )
     app = SchedulerApplication(
         env={"SECONDBOX_DATABASE_URL": _url(postgres_schema, roles.app)}, now=clock
     )
@@ -104,6 +124,13 @@ def test_the_scheduler_runs_under_an_append_only_role_and_the_server_refuses_rew
         assert not app.recorder.appends_in_server()  # type: ignore[attr-defined]
         clock.advance(seconds=1)
         app.record_heartbeat(runner_id="r1", at=clock())
+        names = [f"c{n}" for n in range(10)]  # a batch with snapshots, sealed in the client
+        for name in names:
+            create_sandbox(app, name)
+        assert all(isinstance(o, tuple) for o in app.schedule_many(
+            [schedule_request(name, clock()) for name in names]
+        ))  # fmt: skip
+        assert not app.snapshots.recorder.appends_in_server()  # type: ignore[union-attr]
     finally:
         app.close()
 

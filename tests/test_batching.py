@@ -17,14 +17,17 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
+import psycopg
 import pytest
-from eventsourcing.persistence import ProgrammingError
+from eventsourcing.persistence import PersistenceError, ProgrammingError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from secondbox_scheduler.domain import InvalidRequestError, ScheduleRequest, SchedulerError
 from secondbox_scheduler.domain.chain import Link
-from secondbox_scheduler.domain.ids import runner_uuid, sandbox_uuid
+from secondbox_scheduler.domain.errors import PlacementError
+from secondbox_scheduler.domain.ids import refusal_log_uuid, runner_uuid, sandbox_uuid
+from secondbox_scheduler.domain.refusals import RefusalLog
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.values import Requirements
 from secondbox_scheduler.infrastructure import SchedulerApplication
@@ -34,6 +37,7 @@ from secondbox_scheduler.infrastructure.batcher import PlacementBatcher
 from secondbox_scheduler.infrastructure.event_chain import (
     ChainedPostgresRecorder,
     SealedPostgresSnapshots,
+    seal_table,
 )
 from secondbox_scheduler.infrastructure.settings import AUDIT_KEY
 from tests.conftest import Clock, PostgresSchema, Store
@@ -557,18 +561,29 @@ def _recorder(app: SchedulerApplication) -> ChainedPostgresRecorder:
     return recorder
 
 
-@pytest.mark.parametrize("keyed", [False, True])
+# the three ways a save with snapshots is made on PostgreSQL
+SERVER_SEALS = "links and seals in the server"  # <events>_append_with_snapshots
+CLIENT_SEALS = "links in the server, seals in the client"  # that function absent
+CLIENT_LINKS = "links and seals in the client"  # a keyed chain
+
+
+@pytest.mark.parametrize("path", [SERVER_SEALS, CLIENT_SEALS, CLIENT_LINKS])
 def test_snapshots_are_written_in_the_transaction_of_their_events(
-    postgres_schema: PostgresSchema, clock: Clock, monkeypatch: pytest.MonkeyPatch, keyed: bool
+    postgres_schema: PostgresSchema, clock: Clock, path: str
 ) -> None:
     """PostgreSQL: the snapshots a batch takes (a runner passing a multiple of its
     interval) are sealed with the links of the same transaction and committed with the
     events, one commit for both: a snapshot that cannot be written leaves nothing
-    stored, not placements without their snapshot and an error after the commit. Both
-    ways of linking: in the server (unkeyed) and in the client (keyed)."""
-    app = SchedulerApplication(env=_chained_env(postgres_schema, keyed), now=clock)
+    stored, not placements without their snapshot and an error after the commit. Each
+    way of linking and sealing (the server refuses the seals' insert with a trigger)."""
+    app = SchedulerApplication(env=_chained_env(postgres_schema, path == CLIENT_LINKS), now=clock)
     try:
-        assert _recorder(app).appends_in_server() is not keyed
+        assert app.snapshots is not None
+        sealed = app.snapshots.recorder
+        assert isinstance(sealed, SealedPostgresSnapshots)
+        assert _recorder(app).appends_in_server() is (path != CLIENT_LINKS)
+        if path == CLIENT_SEALS:
+            sealed._appends_in_server = False
         room = {"vcpu_count": 128, "memory_bytes": 256 * 2**30, "disk_bytes": 2000 * 2**30}
         register(app, "ra", at=clock(), allocatable=capacity(instances=64, operations=64, **room))
         names = [f"s{n}" for n in range(12)]
@@ -577,19 +592,26 @@ def test_snapshots_are_written_in_the_transaction_of_their_events(
         version = app.stream_versions([runner_uuid("ra")])[runner_uuid("ra")]
         assert version < 10 <= version + len(names)  # the batch passes the interval
 
-        def broken(*_: Any) -> None:
-            raise RuntimeError("snapshot not written")
-
-        monkeypatch.setattr(SealedPostgresSnapshots, "write_sealed", broken)
-        with pytest.raises(RuntimeError):
+        seals = f'"{postgres_schema.name}"."{seal_table(sealed.events_table_name)}"'
+        with psycopg.connect(postgres_schema.server.conninfo(), autocommit=True) as conn:
+            conn.execute(
+                f'CREATE FUNCTION "{postgres_schema.name}".refuse() RETURNS trigger '
+                "LANGUAGE plpgsql AS $$BEGIN RAISE EXCEPTION 'snapshot not written'; END$$"
+            )
+            conn.execute(
+                f"CREATE TRIGGER refuse BEFORE INSERT ON {seals} FOR EACH STATEMENT "
+                f'EXECUTE FUNCTION "{postgres_schema.name}".refuse()'
+            )
+        with pytest.raises(PersistenceError, match="snapshot not written"):
             app.schedule_many([schedule_request(n, clock()) for n in names])
         assert app.stream_versions([runner_uuid("ra")])[runner_uuid("ra")] == version
         assert app.get_runner("ra").reserved.instances == 0
-        monkeypatch.undo()
+        with psycopg.connect(postgres_schema.server.conninfo(), autocommit=True) as conn:
+            conn.execute(f"DROP TRIGGER refuse ON {seals}")
         outcomes = app.schedule_many([schedule_request(n, clock()) for n in names])
         assert all(not isinstance(o, SchedulerError) and o[1] for o in outcomes)
-        assert app.snapshots is not None
-        snapshot = app.snapshots.recorder.select_events(runner_uuid("ra"), desc=True, limit=1)
+        assert sealed.appends_in_server() is (path == SERVER_SEALS)
+        snapshot = sealed.select_events(runner_uuid("ra"), desc=True, limit=1)  # seal checked
         stored = app.stream_versions([runner_uuid("ra")])[runner_uuid("ra")]
         assert [s.originator_version for s in snapshot] == [stored]  # taken at the batch's end
         assert verify(app, measure_raw=False).ok  # its seal checks against the chain
@@ -660,6 +682,54 @@ def test_a_placement_after_a_reused_token_keeps_the_runner_stream_readable(
     assert runner.holds("s1", 1)
     assert runner.holds("s3", 1)
     assert not runner.holds("s2", 2)
+
+
+def test_a_refused_request_with_a_reused_token_is_answered_as_invalid(
+    store: Store, clock: Clock
+) -> None:
+    """A request the placement rules refuse (its runner full) whose token an earlier
+    generation used is invalid whatever the runner's state: its answer is the token's
+    refusal, and no placement refusal is recorded for it; the other refusal of the same
+    batch is answered and recorded as one. (The tokens are read once for the batch,
+    after the runners' locks.)"""
+    app: SchedulerApplication = store.open()
+    register(app, "r1", at=clock(), allocatable=capacity(instances=1))
+    for sandbox in ("s1", "s2", "s3"):
+        create_sandbox(app, sandbox)
+    used = token()
+    app.schedule(schedule_request("s2", clock(), fencing_token=used))
+    app.release("s2", 1, used, PROOF)
+    app.advance_generation("s2", 1)
+    app.schedule(schedule_request("s1", clock()))  # the runner is full
+    reused, full = app.schedule_many([
+        schedule_request("s2", clock(), fencing_token=used),
+        schedule_request("s3", clock(), fencing_token=token()),
+    ])  # fmt: skip
+    assert isinstance(reused, InvalidRequestError)
+    assert reused.field == "fencing_token"
+    assert isinstance(full, PlacementError)
+    assert app._load(refusal_log_uuid("s2"), RefusalLog) is None
+    assert app._load(refusal_log_uuid("s3"), RefusalLog) is not None
+
+
+def test_the_refusals_of_a_batch_are_recorded_together_once(store: Store, clock: Clock) -> None:
+    """Several refusals in one batch (a full runner): each sandbox's log records its
+    refusal (one read and one save for all), a first refusal opens the log, and the
+    same refusal again, in the next batch, is not recorded twice."""
+    app: SchedulerApplication = store.open()
+    register(app, "r1", at=clock(), allocatable=capacity(instances=1))
+    names = ["s0", "s1", "s2", "s3"]
+    for name in names:
+        create_sandbox(app, name)
+    app.schedule(schedule_request("s0", clock()))  # the runner is full
+    refused = [schedule_request(name, clock()) for name in names[1:]]
+    assert all(isinstance(o, PlacementError) for o in app.schedule_many(refused))
+    assert app.metrics.refusals_recorded == 3
+    versions = app.stream_versions([refusal_log_uuid(name) for name in names[1:]])
+    assert sorted(versions.values()) == [2, 2, 2]  # opened, refused
+    assert all(isinstance(o, PlacementError) for o in app.schedule_many(refused))
+    assert app.metrics.refusals_recorded == 3
+    assert app.stream_versions(list(versions)) == versions
 
 
 def _failing(links: Any) -> Any:

@@ -11,16 +11,22 @@ import pytest
 from eventsourcing.persistence import IntegrityError, StoredEvent
 
 from secondbox_scheduler.domain.chain import Chain, ChainedEvent
+from secondbox_scheduler.domain.ids import runner_uuid
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit_replay import verify
 from secondbox_scheduler.infrastructure.event_chain import (
     ChainedPostgresRecorder,
-    append_function,
+    SealedPostgresSnapshots,
     chain_head,
+    seal_table,
     select_links,
 )
+from secondbox_scheduler.infrastructure.server_append import (
+    append_function,
+    append_with_snapshots_function,
+)
 from tests.conftest import Clock, PostgresSchema
-from tests.factories import create_sandbox, register, schedule_request
+from tests.factories import capacity, create_sandbox, register, schedule_request
 from tests.postgres_server import PostgresServer
 
 
@@ -170,3 +176,123 @@ def test_a_database_not_in_utf8_links_in_the_client(postgres_server: PostgresSer
     finally:
         with psycopg.connect(postgres_server.conninfo(), autocommit=True) as conn:
             conn.execute(f"DROP DATABASE {name} WITH (FORCE)")
+
+
+ROOMY = capacity(
+    instances=64, operations=64, vcpu_count=128, memory_bytes=256 * 2**30, disk_bytes=2000 * 2**30
+)
+
+
+def _sealed(app: SchedulerApplication) -> SealedPostgresSnapshots:
+    assert app.snapshots is not None
+    sealed = app.snapshots.recorder
+    assert isinstance(sealed, SealedPostgresSnapshots)
+    return sealed
+
+
+def _drop(schema: PostgresSchema, function: str) -> None:
+    with psycopg.connect(schema.server.conninfo(), autocommit=True) as conn:
+        conn.execute(f'DROP FUNCTION "{schema.name}"."{function}"')
+
+
+def _batch_past_the_interval(app: SchedulerApplication, clock: Clock, prefix: str) -> None:
+    """Ten placements on one runner in one batch: its version passes a multiple of the
+    runner's snapshot interval, so the save writes a snapshot."""
+    names = [f"{prefix}{n}" for n in range(10)]
+    for name in names:
+        create_sandbox(app, name)
+    outcomes = app.schedule_many([schedule_request(name, clock()) for name in names])
+    assert all(isinstance(o, tuple) and o[1] for o in outcomes)
+
+
+def test_the_server_seals_snapshots_as_the_client_would(
+    postgres_schema: PostgresSchema, clock: Clock
+) -> None:
+    """``<events>_append_with_snapshots`` writes each snapshot with the seal
+    ``Chain.seal`` computes from its event's new link: a batch's runner snapshot (the
+    audit checks it), and odd topics and states (no events of the domain: not the
+    audit); a snapshot at a version outside the save is stored unsealed (as the client
+    does), and the snapshots read back through the seal check."""
+    app = SchedulerApplication(env=postgres_schema.env(), now=clock)
+    try:
+        recorder, sealed = _recorder(app), _sealed(app)
+        assert sealed.appends_in_server()
+        register(app, "r1", at=clock(), allocatable=ROOMY)
+        _batch_past_the_interval(app, clock, "s")
+        assert len(sealed.select_events(runner_uuid("r1"))) == 1  # the batch's, checked
+        assert verify(app, measure_raw=False).ok
+        odd = [
+            _event("tøpic:Ünïcode", b"{}"),
+            _event("topic:empty", b""),
+            _event("topic:bytes", bytes(range(256)) * 3),
+            _event("topic:large", b"x" * 300_000),
+        ]
+        snapshots = [
+            StoredEvent(e.originator_id, e.originator_version, "snäpshot:" + e.topic, e.state)
+            for e in odd
+        ]
+        outside = StoredEvent(uuid.uuid4(), 7, "snapshot:outside", b"{}")
+        positions = recorder.insert_events(odd, snapshots=sealed.within([*snapshots, outside]))
+        assert positions is not None
+        assert len(positions) == len(odd)
+        _relinked(recorder)
+        digests = {(k.position): k.digest for k in select_links(recorder, 0, None)}
+        chain = Chain()
+        with psycopg.connect(postgres_schema.server.conninfo()) as conn:
+            stored = {
+                (row[0], row[1]): bytes(row[2])
+                for row in conn.execute(
+                    f'SELECT originator_id, originator_version, seal FROM "{postgres_schema.name}"'
+                    f'."{seal_table(sealed.events_table_name)}"'
+                )
+            }
+        for snapshot, position in zip(snapshots, positions, strict=True):
+            assert stored[(snapshot.originator_id, 1)] == chain.seal(
+                digests[position], snapshot.originator_id, 1, snapshot.topic, snapshot.state
+            )
+            assert sealed.select_events(snapshot.originator_id) == [snapshot]
+        assert (outside.originator_id, 7) not in stored
+        assert sealed.select_events(outside.originator_id) == []  # unsealed: refused
+    finally:
+        app.close()
+
+
+def test_a_schema_without_the_sealing_function_seals_in_the_client(
+    postgres_schema: PostgresSchema, clock: Clock
+) -> None:
+    """A schema of the release before ``<events>_append_with_snapshots``: the server
+    links, the client seals (two round trips), and the history verifies."""
+    app = SchedulerApplication(env=postgres_schema.env(), now=clock)
+    try:
+        recorder, sealed = _recorder(app), _sealed(app)
+        register(app, "r1", at=clock(), allocatable=ROOMY)
+        _drop(postgres_schema, append_with_snapshots_function(recorder.events_table_name))
+        sealed._appends_in_server = None  # a new process looks again
+        assert not sealed.appends_in_server()
+        assert recorder.appends_in_server()
+        _batch_past_the_interval(app, clock, "s")
+        assert len(sealed.select_events(runner_uuid("r1"))) == 1
+        assert verify(app, measure_raw=False).ok
+    finally:
+        app.close()
+
+
+def test_a_sealing_function_dropped_while_running_makes_the_client_seal(
+    postgres_schema: PostgresSchema, clock: Clock
+) -> None:
+    """Dropped after the lookup: the failed statement stored nothing, the save is made
+    again with the seals made in the client, and so are the next ones."""
+    app = SchedulerApplication(env=postgres_schema.env(), now=clock)
+    try:
+        recorder, sealed = _recorder(app), _sealed(app)
+        register(app, "r1", at=clock(), allocatable=ROOMY)
+        assert sealed.appends_in_server()
+        _drop(postgres_schema, append_with_snapshots_function(recorder.events_table_name))
+        _batch_past_the_interval(app, clock, "s")
+        assert sealed._appends_in_server is False
+        assert recorder.appends_in_server()
+        _batch_past_the_interval(app, clock, "t")
+        assert len(sealed.select_events(runner_uuid("r1"))) == 2
+        assert verify(app, measure_raw=False).ok
+    finally:
+        app.close()
