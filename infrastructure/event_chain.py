@@ -133,14 +133,16 @@ def seal_and_digest(names: dict[str, Identifier], alias: str) -> Composed:
 
 
 def lz4_statement(schema: str, table: str) -> Composed:
-    """The ``state`` column of a snapshots table compressed with LZ4 instead of
-    PostgreSQL's default pglz: a snapshot of a runner holding 700 reservations is 145 KB
-    of JSON, which pglz compressed in about 2 ms of the server's time in each save that
-    took it (docs/performance.md). Done once per table (when the column is not LZ4
-    yet: the ``ALTER`` takes the table's ACCESS EXCLUSIVE lock for an instant, so it
-    waits at most one second for it); a server without LZ4 (or before PostgreSQL 14)
-    keeps pglz, and so does a table whose lock is not granted in time (the next start
-    tries again). Rows already stored keep their compression; both are read alike."""
+    """The ``state`` column of the events or snapshots table compressed with LZ4
+    instead of PostgreSQL's default pglz (a state over about 2 KB is compressed): a
+    snapshot of a runner holding 700 reservations is 145 KB of JSON, which pglz
+    compressed in about 2 ms of the server's time in each save that took it, and every
+    placement's ``AssignmentFenced`` is 3 KB (docs/performance.md). Done once per
+    table, when the column is not LZ4 yet (the ``ALTER`` takes the table's ACCESS
+    EXCLUSIVE lock for an instant, so it waits at most one second for it); a server
+    without LZ4 (or before PostgreSQL 14) keeps pglz, and so does a table whose lock is
+    not granted in time (the next start tries again). Rows already stored keep their
+    compression; both are read alike."""
     return SQL(
         "DO $$ BEGIN "
         "IF (SELECT a.attcompression FROM pg_catalog.pg_attribute a WHERE a.attrelid = "
@@ -252,6 +254,7 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
                 "$BODY$BEGIN LOCK TABLE {schema}.{events} IN EXCLUSIVE MODE; END;$BODY$"
             ).format(schema=schema, function=function, events=events)
         )
+        self.sql_create_statements.append(lz4_statement(datastore.schema, events_table_name))
         append = Identifier(append_function(events_table_name))
         self.check_identifier_length(append_function(events_table_name))
         self.sql_create_statements.append(
