@@ -42,7 +42,10 @@ class BenchSettings:
     open_loop_callers: int = 64
     selection_sizes: tuple[int, ...] = (100, 1_000, 10_000)
     select_calls: tuple[int, ...] = (50, 20, 5)
-    create_calls: tuple[int, ...] = (20, 10, 5)
+    # medians of create_sandbox (and of a new sandbox end to end) per pool size: medians
+    # of 10 and 5 calls moved the 10x ratio from 2.4 to 3.09 between two full runs of
+    # the same code (docs/performance.md); 40 calls at 10,000 runners take about 2 s
+    create_calls: tuple[int, ...] = (40, 40, 40)
     history_sizes: tuple[int, ...] = (10, 1_000, 100_000)
     history_repeat: int = 15
     generation_sizes: tuple[int, ...] = (100, 1_000, 10_000)
