@@ -691,8 +691,9 @@ class SchedulerApplication(Application[UUID]):
                 recorded += refusal.add_to(log)
             changed = [log for log in logs.values() if log.pending_events]
             try:
-                self.save(*changed)
-                self.metrics.add("refusals_recorded", recorded)
+                if changed:  # all repeats of the last: nothing to save (review)
+                    self.save(*changed)
+                    self.metrics.add("refusals_recorded", recorded)
                 return
             except IntegrityError:
                 pass  # another replica recorded one of them first: each alone

@@ -31,6 +31,7 @@ from uuid import UUID
 from eventsourcing.persistence import (
     InterfaceError,
     OperationalError,
+    PersistenceError,
     ProgrammingError,
     StoredEvent,
 )
@@ -132,29 +133,50 @@ def seal_and_digest(names: dict[str, Identifier], alias: str) -> Composed:
     ).format(alias=Identifier(alias), **names)
 
 
-def lz4_statement(schema: str, table: str) -> Composed:
+LZ4_LOCK_TIMEOUT = "50ms"  # the longest a start waits to change a table's compression
+
+
+def compress_states_with_lz4(datastore: PostgresDatastore, table: str) -> bool:
     """The ``state`` column of the events or snapshots table compressed with LZ4
     instead of PostgreSQL's default pglz (a state over about 2 KB is compressed): a
     snapshot of a runner holding 700 reservations is 145 KB of JSON, which pglz
     compressed in about 2 ms of the server's time in each save that took it, and every
-    placement's ``AssignmentFenced`` is 3 KB (docs/performance.md). Done once per
-    table, when the column is not LZ4 yet (the ``ALTER`` takes the table's ACCESS
-    EXCLUSIVE lock for an instant, so it waits at most one second for it); a server
-    without LZ4 (or before PostgreSQL 14) keeps pglz, and so does a table whose lock is
-    not granted in time (the next start tries again). Rows already stored keep their
-    compression; both are read alike."""
-    return SQL(
-        "DO $$ BEGIN "
-        "IF (SELECT a.attcompression FROM pg_catalog.pg_attribute a WHERE a.attrelid = "
-        "to_regclass(format('%I.%I', {schema}, {table})) AND a.attname = 'state') <> 'l' THEN "
-        "PERFORM set_config('lock_timeout', '1s', true); "
-        "EXECUTE format('ALTER TABLE %I.%I ALTER COLUMN state SET COMPRESSION lz4', "
-        "{schema}, {table}); "
-        "END IF; "
-        "EXCEPTION WHEN feature_not_supported OR lock_not_available OR syntax_error "
-        "OR undefined_column OR invalid_parameter_value THEN NULL; "
-        "END $$"
-    ).format(schema=Literal(schema), table=Literal(table))
+    placement's ``AssignmentFenced`` is 3 KB (docs/performance.md). Run after the
+    tables are created, by the role that creates them, in a transaction of its own:
+    only when the column is not LZ4 yet, the server has LZ4 (PostgreSQL 14 and later,
+    built with it) and no other session holds a lock on the table, and then waiting at
+    most ``LZ4_LOCK_TIMEOUT`` for the ACCESS EXCLUSIVE lock the ``ALTER`` takes (every
+    other session's access to the table queues behind a waiting ``ALTER``: found by
+    review, a reader holding the table stalled saves for the whole wait). Otherwise
+    the table keeps pglz, and a later start tries again. Rows already stored keep
+    their compression; both are read alike. Whether the column is LZ4 now."""
+    try:
+        with datastore.transaction(commit=True) as curs:
+            curs.execute(
+                "SELECT a.attcompression = 'l' AS lz4, 'lz4' = ANY(s.enumvals) AS available, "
+                "EXISTS (SELECT 1 FROM pg_catalog.pg_locks l WHERE l.relation = c.oid "
+                "AND l.pid <> pg_backend_pid()) AS busy "
+                "FROM pg_catalog.pg_class c "
+                "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+                "JOIN pg_catalog.pg_attribute a ON a.attrelid = c.oid AND a.attname = 'state' "
+                "CROSS JOIN pg_catalog.pg_settings s "
+                "WHERE n.nspname = %s AND c.relname = %s "
+                "AND s.name = 'default_toast_compression'",
+                (datastore.schema, table),
+            )
+            row = curs.fetchone()
+            if row is None or row["lz4"] or not row["available"] or row["busy"]:
+                return bool(row and row["lz4"])
+            curs.execute(SQL("SET LOCAL lock_timeout = {}").format(Literal(LZ4_LOCK_TIMEOUT)))
+            curs.execute(
+                SQL("ALTER TABLE {}.{} ALTER COLUMN state SET COMPRESSION lz4").format(
+                    Identifier(datastore.schema), Identifier(table)
+                )
+            )
+        return True
+    except PersistenceError as error:  # LockNotAvailable, a server without LZ4, ...
+        log.info("%s.%s keeps its compression (%s)", datastore.schema, table, error)
+        return False
 
 
 def compiled(statement: Composed) -> bytes:
@@ -254,7 +276,6 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
                 "$BODY$BEGIN LOCK TABLE {schema}.{events} IN EXCLUSIVE MODE; END;$BODY$"
             ).format(schema=schema, function=function, events=events)
         )
-        self.sql_create_statements.append(lz4_statement(datastore.schema, events_table_name))
         append = Identifier(append_function(events_table_name))
         self.check_identifier_length(append_function(events_table_name))
         self.sql_create_statements.append(
@@ -289,6 +310,10 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
             ).format(schema, chain)
         )
 
+    def create_table(self) -> None:
+        super().create_table()
+        compress_states_with_lz4(self.datastore, self.events_table_name)
+
     def _notify_channel(self, curs: Any) -> None:
         curs.execute(self.notify_statement)
 
@@ -313,10 +338,14 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
             except ProgrammingError as error:
                 if not isinstance(error.__cause__, UndefinedFunction | InsufficientPrivilege):
                     raise
-                # dropped or forbidden since the lookup (nothing was stored): the client
-                # links, for this save and the next
+                # nothing was stored; the function dropped or forbidden since the lookup:
+                # the client links, for this save and the next. Found by review: a table
+                # the role may not write fails with the same error, and the server's
+                # linking stayed off after the grant was mended: look again instead
+                self._appends_in_server = None
+                if self.appends_in_server():
+                    raise
                 log.warning("%s: linking the chain in the client", error)
-                self._appends_in_server = False
         exc: Exception | None = None
         notification_ids: Sequence[int] | None = None
         with self.datastore.get_connection() as conn:
@@ -405,10 +434,12 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
             except ProgrammingError as error:
                 if not isinstance(error.__cause__, UndefinedFunction | InsufficientPrivilege):
                     raise
-                # dropped or forbidden since the lookup (nothing was stored): sealed in
-                # the client, for this save and the next
+                # as in insert_events: the function gone or forbidden (not a table the
+                # role may not write): sealed in the client from now on
+                snapshots.recorder._appends_in_server = None
+                if snapshots.recorder.appends_in_server():
+                    raise
                 log.warning("%s: sealing the snapshots in the client", error)
-                snapshots.recorder._appends_in_server = False
         if snapshots is None:
             return self._appended(stored_events, self.append_statement, params)
         exc: Exception | None = None
@@ -657,7 +688,6 @@ class SealedPostgresSnapshots(SealedSnapshots, PostgresAggregateRecorder):
                 "PRIMARY KEY (originator_id, originator_version))"
             ).format(Identifier(datastore.schema), Identifier(seal_table(events_table_name)))
         )
-        self.sql_create_statements.append(lz4_statement(datastore.schema, events_table_name))
         self.append_statement = b""
         self.append_signature = ""
         self._appends_in_server: bool | None = False  # until configured
@@ -691,6 +721,10 @@ class SealedPostgresSnapshots(SealedSnapshots, PostgresAggregateRecorder):
             f"{_quoted(self.datastore.schema)}.{_quoted(name)}({APPEND_WITH_SNAPSHOTS_ARGUMENTS})"
         )
         self._appends_in_server = None  # known at the first save with snapshots
+
+    def create_table(self) -> None:
+        super().create_table()
+        compress_states_with_lz4(self.datastore, self.events_table_name)
 
     def appends_in_server(self) -> bool:
         """Whether a save seals its snapshots in the server (as

@@ -320,7 +320,9 @@ class PlacementBatch:
         used = load_many(self.app, list(set(streams.values())), cache_new=False)
         for decision in refused:
             earlier = used.get(streams[decision.index])
-            if isinstance(earlier, FencingTokenUse) and earlier.generation != decision.generation:
+            # an earlier generation's: a later one's (another replica, since this
+            # decision) is no reason to refuse what a serial execution refused first
+            if isinstance(earlier, FencingTokenUse) and earlier.generation < decision.generation:
                 decision.outcome = InvalidRequestError("fencing_token", TOKEN_REUSED)
                 decision.refusal = None
 

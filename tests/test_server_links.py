@@ -358,3 +358,49 @@ def test_event_and_snapshot_states_are_compressed_with_lz4(
         assert verify(app, measure_raw=False).ok
     finally:
         app.close()
+
+
+def test_a_table_in_use_keeps_its_compression_until_a_later_start(
+    postgres_schema: PostgresSchema, clock: Clock
+) -> None:
+    """Found by review: the ``ALTER`` to LZ4 waited for a session holding the table (a
+    long audit, a dump), and every save and read queued behind it meanwhile. A table
+    another session holds is left as it is, and a later start changes it."""
+    app = SchedulerApplication(env=postgres_schema.env(), now=clock)
+    app.close()
+    events = f'"{postgres_schema.name}"."schedulerapplication_events"'
+    with psycopg.connect(postgres_schema.server.conninfo(), autocommit=True) as conn:
+        conn.execute(f"ALTER TABLE {events} ALTER COLUMN state SET COMPRESSION pglz")
+    with psycopg.connect(postgres_schema.server.conninfo()) as reader:
+        reader.execute(f"SELECT count(*) FROM {events}")  # holds ACCESS SHARE until it ends
+        app = SchedulerApplication(env=postgres_schema.env(), now=clock)
+        try:
+            assert _compressions(postgres_schema)["schedulerapplication_events"] == "p"
+            register(app, "r1", at=clock())  # saves go on
+        finally:
+            app.close()
+    app = SchedulerApplication(env=postgres_schema.env(), now=clock)
+    app.close()
+    assert _compressions(postgres_schema)["schedulerapplication_events"] == "l"
+
+
+def test_a_schema_name_with_dollar_quotes_opens(
+    postgres_server: PostgresServer, clock: Clock
+) -> None:
+    """Found by review: the first version changed the compression in a ``DO $$ ... $$``
+    block with the schema's name inside, and a name holding ``$$`` ended the block."""
+    name = f"t_{uuid.uuid4().hex[:8]}$$x"
+    with psycopg.connect(postgres_server.conninfo(), autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{name}"')
+    try:
+        env = {**postgres_server.env(), "POSTGRES_SCHEMA": name}
+        app = SchedulerApplication(env=env, now=clock)
+        try:
+            register(app, "r1", at=clock(), allocatable=ROOMY)
+            _batch_past_the_interval(app, clock, "s")
+            assert verify(app, measure_raw=False).ok
+        finally:
+            app.close()
+    finally:
+        with psycopg.connect(postgres_server.conninfo(), autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA "{name}" CASCADE')
