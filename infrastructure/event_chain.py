@@ -251,7 +251,43 @@ class ChainedSQLiteRecorder(ChainedRecorder, SQLiteApplicationRecorder):
         return positions
 
 
-class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
+class SavesInServer:
+    """What the two recorders that save through a function of :mod:`.server_append`
+    share: whether they may (looked up once) and what a failed call of it means."""
+
+    chain: Chain
+    datastore: PostgresDatastore
+    append_signature: str
+    _appends_in_server: bool | None
+
+    def appends_in_server(self) -> bool:
+        """Whether a save goes through the function of ``append_signature``: an
+        unkeyed chain over UUID ids (a key never goes to the server), a UTF8 database
+        and the function present and this role's to run (:func:`usable_in_server`).
+        Looked up once; a save that finds it gone or forbidden saves without it from
+        then on."""
+        if self._appends_in_server is None:
+            self._appends_in_server = (
+                not self.chain.keyed
+                and self.datastore.originator_id_type == "uuid"
+                and usable_in_server(self.datastore, self.append_signature)
+            )
+        return self._appends_in_server
+
+    def gone_from_server(self, error: ProgrammingError) -> bool:
+        """After a call of the function failed (nothing was stored): whether the
+        function is gone or no longer this role's (then the client links or seals, for
+        this save and the next), rather than an error of the save itself. Found by
+        review: a table the role may not write fails with the same
+        ``InsufficientPrivilege``, and the server's saves stayed off after the grant was
+        mended; so the function is looked up again."""
+        if not isinstance(error.__cause__, UndefinedFunction | InsufficientPrivilege):
+            return False
+        self._appends_in_server = None
+        return not self.appends_in_server()
+
+
+class ChainedPostgresRecorder(SavesInServer, ChainedRecorder, PostgresApplicationRecorder):
     """PostgreSQL: the position of an event is its notification id."""
 
     def __init__(
@@ -336,14 +372,7 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
             try:
                 return self._append_in_server(stored_events, snapshots)
             except ProgrammingError as error:
-                if not isinstance(error.__cause__, UndefinedFunction | InsufficientPrivilege):
-                    raise
-                # nothing was stored; the function dropped or forbidden since the lookup:
-                # the client links, for this save and the next. Found by review: a table
-                # the role may not write fails with the same error, and the server's
-                # linking stayed off after the grant was mended: look again instead
-                self._appends_in_server = None
-                if self.appends_in_server():
+                if not self.gone_from_server(error):
                     raise
                 log.warning("%s: linking the chain in the client", error)
         exc: Exception | None = None
@@ -397,23 +426,6 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
                 raise exc
         return notification_ids
 
-    def appends_in_server(self) -> bool:
-        """Whether a save links its events in the server (``<events>_append``): an
-        unkeyed chain over UUID ids, a UTF8 database (``convert_to(topic, 'UTF8')``
-        from another server encoding is not always Python's ``str.encode()``: some
-        EUC_JP and EUC_KR characters convert differently), the function present and
-        the role allowed to run it (a schema created by an earlier release, under a
-        role that may not create it, has none: then the client links, as before).
-        Looked up once; a save that finds the function gone or forbidden links in the
-        client from then on."""
-        if self._appends_in_server is None:
-            self._appends_in_server = (
-                not self.chain.keyed
-                and self.datastore.originator_id_type == "uuid"
-                and usable_in_server(self.datastore, self.append_signature)
-            )
-        return self._appends_in_server
-
     def _append_in_server(
         self, stored_events: Sequence[StoredEvent], snapshots: SnapshotsWithin | None
     ) -> Sequence[int]:
@@ -432,12 +444,7 @@ class ChainedPostgresRecorder(ChainedRecorder, PostgresApplicationRecorder):
                     (*params, *unnested(snapshots.stored)),
                 )
             except ProgrammingError as error:
-                if not isinstance(error.__cause__, UndefinedFunction | InsufficientPrivilege):
-                    raise
-                # as in insert_events: the function gone or forbidden (not a table the
-                # role may not write): sealed in the client from now on
-                snapshots.recorder._appends_in_server = None
-                if snapshots.recorder.appends_in_server():
+                if not snapshots.recorder.gone_from_server(error):
                     raise
                 log.warning("%s: sealing the snapshots in the client", error)
         if snapshots is None:
@@ -675,7 +682,7 @@ class SealedSQLiteSnapshots(SealedSnapshots, SQLiteAggregateRecorder):
         return {event.originator_id: event for event in kept}  # type: ignore[misc]
 
 
-class SealedPostgresSnapshots(SealedSnapshots, PostgresAggregateRecorder):
+class SealedPostgresSnapshots(SavesInServer, SealedSnapshots, PostgresAggregateRecorder):
     def __init__(
         self, datastore: PostgresDatastore, *, events_table_name: str = "stored_snapshots"
     ) -> None:
@@ -725,19 +732,6 @@ class SealedPostgresSnapshots(SealedSnapshots, PostgresAggregateRecorder):
     def create_table(self) -> None:
         super().create_table()
         compress_states_with_lz4(self.datastore, self.events_table_name)
-
-    def appends_in_server(self) -> bool:
-        """Whether a save seals its snapshots in the server (as
-        :meth:`ChainedPostgresRecorder.appends_in_server`, for
-        ``<events>_append_with_snapshots``). Looked up once; a save that finds it gone
-        or forbidden seals in the client from then on."""
-        if self._appends_in_server is None:
-            self._appends_in_server = (
-                not self.chain.keyed
-                and self.datastore.originator_id_type == "uuid"
-                and usable_in_server(self.datastore, self.append_signature)
-            )
-        return self._appends_in_server
 
     @cached_property
     def _statements(self) -> dict[str, bytes]:

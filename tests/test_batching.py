@@ -622,6 +622,15 @@ def test_snapshots_are_written_in_the_transaction_of_their_events(
 PROOF = {"stopped": "yes"}
 
 
+def _used_by_generation_1(app: SchedulerApplication, clock: Clock, sandbox_id: str) -> bytes:
+    """A token the sandbox's generation 1 was placed with; the sandbox is at 2 now."""
+    used = token()
+    app.schedule(schedule_request(sandbox_id, clock(), fencing_token=used))
+    app.release(sandbox_id, 1, used, PROOF)
+    app.advance_generation(sandbox_id, 1)
+    return used
+
+
 def test_a_reused_token_dropped_from_a_batch_leaves_no_reservation_in_the_cached_runner(
     store: Store, clock: Clock
 ) -> None:
@@ -633,10 +642,7 @@ def test_a_reused_token_dropped_from_a_batch_leaves_no_reservation_in_the_cached
     register(app, "r1", at=clock())
     create_sandbox(app, "s1")
     create_sandbox(app, "s2")
-    used = token()
-    app.schedule(schedule_request("s2", clock(), fencing_token=used))
-    app.release("s2", 1, used, PROOF)
-    app.advance_generation("s2", 1)
+    used = _used_by_generation_1(app, clock, "s2")
 
     outcomes = app.schedule_many([
         schedule_request("s1", clock(), fencing_token=token()),
@@ -664,10 +670,7 @@ def test_a_placement_after_a_reused_token_keeps_the_runner_stream_readable(
     register(app, "r1", at=clock())
     for sandbox in ("s1", "s2", "s3"):
         create_sandbox(app, sandbox)
-    used = token()
-    app.schedule(schedule_request("s2", clock(), fencing_token=used))
-    app.release("s2", 1, used, PROOF)
-    app.advance_generation("s2", 1)
+    used = _used_by_generation_1(app, clock, "s2")
     app.schedule_many([
         schedule_request("s1", clock(), fencing_token=token()),
         schedule_request("s2", clock(), fencing_token=used),
@@ -696,10 +699,7 @@ def test_a_refused_request_with_a_reused_token_is_answered_as_invalid(
     register(app, "r1", at=clock(), allocatable=capacity(instances=1))
     for sandbox in ("s1", "s2", "s3"):
         create_sandbox(app, sandbox)
-    used = token()
-    app.schedule(schedule_request("s2", clock(), fencing_token=used))
-    app.release("s2", 1, used, PROOF)
-    app.advance_generation("s2", 1)
+    used = _used_by_generation_1(app, clock, "s2")
     app.schedule(schedule_request("s1", clock()))  # the runner is full
     reused, full = app.schedule_many([
         schedule_request("s2", clock(), fencing_token=used),

@@ -54,6 +54,16 @@ def _event(topic: str, state: bytes, version: int = 1) -> StoredEvent:
     return StoredEvent(uuid.uuid4(), version, topic, state)
 
 
+def _odd_events() -> list[StoredEvent]:
+    """A topic outside ASCII, an empty state, a state of every byte value, a large one."""
+    return [
+        _event("tøpic:Ünïcode", b"{}"),
+        _event("topic:empty", b""),
+        _event("topic:bytes", bytes(range(256)) * 3),
+        _event("topic:large", b"x" * 300_000),
+    ]
+
+
 def test_the_server_makes_the_links_the_client_would(
     postgres_schema: PostgresSchema, clock: Clock
 ) -> None:
@@ -68,12 +78,7 @@ def test_the_server_makes_the_links_the_client_would(
         create_sandbox(app, "s1")
         app.schedule(schedule_request("s1", clock()))
         assert verify(app, measure_raw=False).ok
-        odd = [
-            _event("tøpic:Ünïcode", b"{}"),
-            _event("topic:empty", b""),
-            _event("topic:bytes", bytes(range(256)) * 3),
-            _event("topic:large", b"x" * 300_000),
-        ]
+        odd = _odd_events()
         positions = recorder.insert_events(odd)
         assert positions is not None
         assert len(positions) == len(odd)
@@ -221,12 +226,7 @@ def test_the_server_seals_snapshots_as_the_client_would(
         _batch_past_the_interval(app, clock, "s")
         assert len(sealed.select_events(runner_uuid("r1"))) == 1  # the batch's, checked
         assert verify(app, measure_raw=False).ok
-        odd = [
-            _event("tøpic:Ünïcode", b"{}"),
-            _event("topic:empty", b""),
-            _event("topic:bytes", bytes(range(256)) * 3),
-            _event("topic:large", b"x" * 300_000),
-        ]
+        odd = _odd_events()
         snapshots = [
             StoredEvent(e.originator_id, e.originator_version, "snäpshot:" + e.topic, e.state)
             for e in odd
