@@ -19,6 +19,8 @@ from secondbox_scheduler.infrastructure import SchedulerApplication
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 HISTORY_0_1 = FIXTURES / "history-0.1.db"
 ANSWERS_0_1 = FIXTURES / "history-0.1.answers.json"
+HISTORY_0_2 = FIXTURES / "history-0.2.db"
+ANSWERS_0_2 = FIXTURES / "history-0.2.answers.json"
 _CHUNK = 500
 
 
