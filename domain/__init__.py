@@ -13,7 +13,7 @@ from secondbox_scheduler.domain.errors import (
     SerializationContentionError,
     StaleFenceError,
 )
-from secondbox_scheduler.domain.placement import select_home_runner, select_runner
+from secondbox_scheduler.domain.placement.rules import select_home_runner, select_runner
 from secondbox_scheduler.domain.values import (
     DRAIN_PHASE_ACTIVE,
     DRAIN_PHASE_DRAINING,

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from secondbox_scheduler.domain.evidence import RunnerEvaluation, Unlisted, summarize_refusals
+from secondbox_scheduler.domain.placement.evidence import (
+    RunnerEvaluation,
+    Unlisted,
+    summarize_refusals,
+)
 
 
 class SchedulerError(Exception):

@@ -18,8 +18,12 @@ from typing import Any
 from eventsourcing.domain import Aggregate
 
 from secondbox_scheduler.domain.errors import PlacementError
-from secondbox_scheduler.domain.evidence import RunnerEvaluation, Unlisted, summarize_refusals
 from secondbox_scheduler.domain.ids import refusal_log_uuid
+from secondbox_scheduler.domain.placement.evidence import (
+    RunnerEvaluation,
+    Unlisted,
+    summarize_refusals,
+)
 from secondbox_scheduler.domain.values import Requirements
 
 OPERATION_CREATE = "create_sandbox"

@@ -27,7 +27,7 @@ from secondbox_scheduler.domain.errors import (
 )
 from secondbox_scheduler.domain.ids import runner_uuid
 from secondbox_scheduler.domain.lease import RunnerLease, materialization_snapshots
-from secondbox_scheduler.domain.placement import capacity_shortfall, checked_dimensions
+from secondbox_scheduler.domain.placement.rules import capacity_shortfall, checked_dimensions
 from secondbox_scheduler.domain.values import (
     DRAIN_PHASE_ACTIVE,
     DRAIN_PHASE_DRAINING,

@@ -45,10 +45,14 @@ from secondbox_scheduler.domain.errors import (
     ReleaseProofError,
     StaleFenceError,
 )
-from secondbox_scheduler.domain.evidence import Unlisted, decision_record, home_decision_record
 from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
 from secondbox_scheduler.domain.ids import sandbox_uuid
-from secondbox_scheduler.domain.placement import (
+from secondbox_scheduler.domain.placement.evidence import (
+    Unlisted,
+    decision_record,
+    home_decision_record,
+)
+from secondbox_scheduler.domain.placement.rules import (
     RULES_VERSION,
     decide,
     refusal,

@@ -3,7 +3,10 @@
 ``fault_injection``) are subpackages of their own."""
 
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
-from secondbox_scheduler.infrastructure.postgres_store import PostgresStore, PostgresStoreConfig
-from secondbox_scheduler.infrastructure.store_startup import StoreUnavailableError
+from secondbox_scheduler.infrastructure.store.postgres_store import (
+    PostgresStore,
+    PostgresStoreConfig,
+)
+from secondbox_scheduler.infrastructure.store.startup import StoreUnavailableError
 
 __all__ = ["PostgresStore", "PostgresStoreConfig", "SchedulerApplication", "StoreUnavailableError"]

@@ -28,7 +28,7 @@ from eventsourcing.utils import EnvType, strtobool
 from prometheus_client import CollectorRegistry
 
 from secondbox_scheduler.domain.assignment import to_durable_assignment
-from secondbox_scheduler.domain.chain import Chain
+from secondbox_scheduler.domain.audit.chain import Chain
 from secondbox_scheduler.domain.errors import (
     AlreadyExistsError,
     InvalidRequestError,
@@ -38,7 +38,6 @@ from secondbox_scheduler.domain.errors import (
     SchedulerError,
     SerializationContentionError,
 )
-from secondbox_scheduler.domain.evidence import Unlisted
 from secondbox_scheduler.domain.ids import lease_uuid, refusal_log_uuid, runner_uuid, sandbox_uuid
 from secondbox_scheduler.domain.lease import RunnerLease
 from secondbox_scheduler.domain.limits import (
@@ -48,6 +47,7 @@ from secondbox_scheduler.domain.limits import (
     MAX_PROOF_ENTRIES,
     MAX_PROOF_VALUE_LENGTH,
 )
+from secondbox_scheduler.domain.placement.evidence import Unlisted
 from secondbox_scheduler.domain.reconcile import ReconcileDecision
 from secondbox_scheduler.domain.refusals import OPERATION_CREATE, Refusal, RefusalLog
 from secondbox_scheduler.domain.runner import Runner
@@ -63,24 +63,15 @@ from secondbox_scheduler.domain.values import (
     require_string_map,
     require_text,
 )
-from secondbox_scheduler.infrastructure.batcher import DEFAULT_BATCH_SIZE, PlacementBatcher
-from secondbox_scheduler.infrastructure.event_chain import (
-    ChainedPostgresRecorder,
-    ChainedRecorder,
-    SealedPostgresSnapshots,
-    SealedSnapshots,
-    SealedSQLiteSnapshots,
-)
-from secondbox_scheduler.infrastructure.event_encoding import EventMapper
-from secondbox_scheduler.infrastructure.fast_forward import load_many
 from secondbox_scheduler.infrastructure.metrics import (
     MetricsSink,
     PrometheusMetrics,
     measured,
     refusal_reasons,
 )
-from secondbox_scheduler.infrastructure.placement_batch import PlacementBatch
-from secondbox_scheduler.infrastructure.runner_locks import RunnerLocks
+from secondbox_scheduler.infrastructure.placing.batch import PlacementBatch
+from secondbox_scheduler.infrastructure.placing.batcher import DEFAULT_BATCH_SIZE, PlacementBatcher
+from secondbox_scheduler.infrastructure.placing.runner_locks import RunnerLocks
 from secondbox_scheduler.infrastructure.settings import (
     APPLICATION_RECORDER_TOPIC,
     AUDIT_KEY,
@@ -101,8 +92,17 @@ from secondbox_scheduler.infrastructure.settings import (
     clock_tolerance,
     settings_from_url,
 )
-from secondbox_scheduler.infrastructure.store_probe import probe_store
-from secondbox_scheduler.infrastructure.store_startup import (
+from secondbox_scheduler.infrastructure.store.encoding import EventMapper
+from secondbox_scheduler.infrastructure.store.event_chain import (
+    ChainedPostgresRecorder,
+    ChainedRecorder,
+    SealedPostgresSnapshots,
+    SealedSnapshots,
+    SealedSQLiteSnapshots,
+)
+from secondbox_scheduler.infrastructure.store.fast_forward import load_many
+from secondbox_scheduler.infrastructure.store.probe import probe_store
+from secondbox_scheduler.infrastructure.store.startup import (
     DEFAULT_CONNECT_TIMEOUT_SECONDS,
     check_sqlite,
     connect_postgres,

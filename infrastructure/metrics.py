@@ -50,13 +50,13 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from secondbox_scheduler.domain.errors import PlacementError, SchedulerError
-from secondbox_scheduler.domain.evidence import reason_keys
 from secondbox_scheduler.domain.lease import (
     OBSERVED_COALESCED,
     OBSERVED_EVIDENCE,
     OBSERVED_RENEWED,
     OBSERVED_STALE,
 )
+from secondbox_scheduler.domain.placement.evidence import reason_keys
 from secondbox_scheduler.domain.reconcile import ACTIONS
 from secondbox_scheduler.projections.read_models import ProjectionStatus
 

@@ -24,11 +24,11 @@ LEASE_RENEWAL_SECONDS = "SECONDBOX_LEASE_RENEWAL_SECONDS"
 READ_MODELS = "SECONDBOX_READ_MODELS"
 # How far a caller's time may differ from the scheduler's clock (SPEC section 6a).
 CLOCK_TOLERANCE_SECONDS = "SECONDBOX_CLOCK_TOLERANCE_SECONDS"
-# Placement batching (infrastructure/batcher.py): on/off, largest batch, longest wait.
+# Placement batching (infrastructure/placing/batcher.py): on/off, largest batch, longest wait.
 BATCHING = "SECONDBOX_BATCHING"
 BATCH_SIZE = "SECONDBOX_BATCH_SIZE"
 BATCH_WAIT_MS = "SECONDBOX_BATCH_WAIT_MS"
-# Advisory locks on a batch's home runners (infrastructure/runner_locks.py, PostgreSQL):
+# Advisory locks on a batch's home runners (infrastructure/placing/runner_locks.py, PostgreSQL):
 # "on" (default) or "off", to measure what they change.
 RUNNER_LOCKS = "SECONDBOX_RUNNER_LOCKS"
 DEFAULT_SQLITE_URL = "sqlite:///secondbox.db"
@@ -38,10 +38,10 @@ AUDIT_KEY = "SECONDBOX_AUDIT_KEY"
 CHAIN = "SECONDBOX_CHAIN"
 APPLICATION_RECORDER_TOPIC = "APPLICATION_RECORDER_TOPIC"
 CHAINED_RECORDERS = {
-    "eventsourcing.sqlite": "secondbox_scheduler.infrastructure.event_chain:ChainedSQLiteRecorder",
-    "eventsourcing.postgres": (
-        "secondbox_scheduler.infrastructure.event_chain:ChainedPostgresRecorder"
-    ),
+    "eventsourcing.sqlite": "secondbox_scheduler.infrastructure.store.event_chain"
+    ":ChainedSQLiteRecorder",
+    "eventsourcing.postgres": "secondbox_scheduler.infrastructure.store.event_chain"
+    ":ChainedPostgresRecorder",
 }
 
 SQLITE_MODULE = "eventsourcing.sqlite"

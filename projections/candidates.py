@@ -5,7 +5,7 @@ runner of a large pool would make each creation cost the pool's size, so the run
 snapshots projection is asked instead for
 
 1. the runners that pass the rules plain columns can decide (the SQL twin below: each
-   clause names the Python rule of :mod:`secondbox_scheduler.domain.placement` it
+   clause names the Python rule of :mod:`secondbox_scheduler.domain.placement.rules` it
    mirrors; a clause may let through a runner the rule refuses, never the reverse),
 2. best first by an upper bound of the ranking key (:func:`rank_bound`), a page at a
    time, until a page's last bound ranks below the best compatible runner found
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from secondbox_scheduler.domain.evidence import (
+from secondbox_scheduler.domain.placement.evidence import (
     ARCHITECTURE,
     BACKEND,
     CAPACITY,
@@ -34,7 +34,7 @@ from secondbox_scheduler.domain.evidence import (
     RankKey,
     Unlisted,
 )
-from secondbox_scheduler.domain.placement import (
+from secondbox_scheduler.domain.placement.rules import (
     CAPABILITY_COMPUTE,
     CAPABILITY_PHYSICAL_STORAGE_ADMISSION,
     decide,
@@ -220,7 +220,7 @@ def _prefilter_rules(
     requirements: Requirements, stale_before: datetime, contains: str
 ) -> list[tuple[str, str, list[Any]]]:
     """(reason key, SQL condition true when the runner fails, params) for the rules of
-    :mod:`secondbox_scheduler.domain.placement` that plain columns decide. Each
+    :mod:`secondbox_scheduler.domain.placement.rules` that plain columns decide. Each
     condition implies that the runner fails that rule, so excluding on it never hides a
     compatible runner; the other rules (pool is the WHERE clause; materialization,
     capability, prerequisite and egress need the JSON lists) are left to the Python rules,

@@ -31,15 +31,15 @@ from datetime import UTC, datetime
 from secondbox_scheduler.domain.ids import lease_uuid, runner_uuid
 from secondbox_scheduler.domain.values import Requirements
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
-from secondbox_scheduler.infrastructure.bench.database import bench_database
-from secondbox_scheduler.infrastructure.bench.fleet import (
+from secondbox_scheduler.infrastructure.tools.bench.database import bench_database
+from secondbox_scheduler.infrastructure.tools.bench.fleet import (
     bench_requirements,
     create_homed_sandboxes,
     register_fleet,
     roomy_fleet,
     schedule_request,
 )
-from secondbox_scheduler.infrastructure.bench.workers import machine_cpu_seconds
+from secondbox_scheduler.infrastructure.tools.bench.workers import machine_cpu_seconds
 
 
 def main() -> None:

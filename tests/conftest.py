@@ -25,7 +25,7 @@ import pytest
 from hypothesis import settings
 
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.event_encoding import EventMapper
+from secondbox_scheduler.infrastructure.store.encoding import EventMapper
 from secondbox_scheduler.testing.builders import T0 as T0
 from secondbox_scheduler.testing.builders import Clock as Clock
 from tests.postgres_server import PostgresServer, ThrowawayCluster, from_environment
@@ -36,7 +36,7 @@ settings.register_profile("deep", deadline=None, print_blob=True)
 settings.load_profile(HYPOTHESIS_PROFILE)
 
 # Every event the suite saves through the orjson path is also encoded with json and the
-# two compared (infrastructure/event_encoding.py): a domain event whose state orjson
+# two compared (infrastructure/store/encoding.py): a domain event whose state orjson
 # would write differently fails the test that saved it.
 EventMapper.check = True
 

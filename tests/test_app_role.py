@@ -16,10 +16,10 @@ from psycopg.conninfo import make_conninfo
 from typer.testing import CliRunner
 
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit_replay import verify
+from secondbox_scheduler.infrastructure.audit.replay import verify
 from secondbox_scheduler.infrastructure.cli import cli
-from secondbox_scheduler.infrastructure.db_roles import grant
-from secondbox_scheduler.infrastructure.server_append import (
+from secondbox_scheduler.infrastructure.store.roles import grant
+from secondbox_scheduler.infrastructure.store.server_append import (
     APPEND_ARGUMENTS,
     APPEND_WITH_SNAPSHOTS_ARGUMENTS,
 )

@@ -16,7 +16,7 @@ from secondbox_scheduler.domain.ids import runner_uuid, sandbox_uuid
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit_replay import explain, state_at, timeline, verify
+from secondbox_scheduler.infrastructure.audit.replay import explain, state_at, timeline, verify
 from secondbox_scheduler.infrastructure.cli import cli
 from tests.conftest import Clock
 from tests.factories import (
@@ -365,7 +365,7 @@ def test_cli_explain_takes_the_sandbox_as_an_option_or_as_before_an_argument(
 def test_a_clean_history_from_simulate_verifies(postgres_schema: Any, tmp_path: Any) -> None:
     """Both stores: a simulated history (placements, refusals, drains, stale heartbeats,
     reconciliation, manual releases) has zero violations."""
-    from secondbox_scheduler.infrastructure.simulation import SimulationConfig, run_simulation
+    from secondbox_scheduler.infrastructure.tools.simulation import SimulationConfig, run_simulation
 
     for url in (f"sqlite:///{tmp_path}/sim.db", postgres_schema.url()):
         result = run_simulation(SimulationConfig(database_url=url, runners=9, sandboxes=25))

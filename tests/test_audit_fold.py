@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from secondbox_scheduler.domain.audit_fold import AuditFold
+from secondbox_scheduler.domain.audit.fold import AuditFold
 from secondbox_scheduler.domain.lease import RunnerLease
 from secondbox_scheduler.domain.refusals import RefusalLog
 from secondbox_scheduler.domain.runner import Runner

@@ -24,22 +24,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from secondbox_scheduler.domain import InvalidRequestError, ScheduleRequest, SchedulerError
-from secondbox_scheduler.domain.chain import Link
+from secondbox_scheduler.domain.audit.chain import Link
 from secondbox_scheduler.domain.errors import PlacementError
 from secondbox_scheduler.domain.ids import refusal_log_uuid, runner_uuid, sandbox_uuid
 from secondbox_scheduler.domain.refusals import RefusalLog
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.values import Requirements
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure import batcher as batcher_module
-from secondbox_scheduler.infrastructure.audit_replay import verify
-from secondbox_scheduler.infrastructure.batcher import PlacementBatcher
-from secondbox_scheduler.infrastructure.event_chain import (
+from secondbox_scheduler.infrastructure.audit.replay import verify
+from secondbox_scheduler.infrastructure.placing import batcher as batcher_module
+from secondbox_scheduler.infrastructure.placing.batcher import PlacementBatcher
+from secondbox_scheduler.infrastructure.settings import AUDIT_KEY
+from secondbox_scheduler.infrastructure.store.event_chain import (
     ChainedPostgresRecorder,
     SealedPostgresSnapshots,
     seal_table,
 )
-from secondbox_scheduler.infrastructure.settings import AUDIT_KEY
 from tests.conftest import Clock, PostgresSchema, Store
 from tests.factories import (
     capacity,

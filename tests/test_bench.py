@@ -15,21 +15,23 @@ from rich.console import Console
 from typer.testing import CliRunner, Result
 
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
-from secondbox_scheduler.infrastructure.bench import (
+from secondbox_scheduler.infrastructure.cli import cli
+from secondbox_scheduler.infrastructure.settings import DATABASE_URL
+from secondbox_scheduler.infrastructure.tools.bench import (
     SECTIONS,
     BenchSettings,
     evaluate_goals,
     print_report,
 )
-from secondbox_scheduler.infrastructure.bench.fleet import (
+from secondbox_scheduler.infrastructure.tools.bench.fleet import (
     bench_requirements,
     create_homed_sandboxes,
     register_fleet,
     roomy_fleet,
 )
-from secondbox_scheduler.infrastructure.bench.goals import GOAL_BATCHED
-from secondbox_scheduler.infrastructure.bench.report import throughput_table
-from secondbox_scheduler.infrastructure.bench.workers import (
+from secondbox_scheduler.infrastructure.tools.bench.goals import GOAL_BATCHED
+from secondbox_scheduler.infrastructure.tools.bench.report import throughput_table
+from secondbox_scheduler.infrastructure.tools.bench.workers import (
     ScheduleJob,
     WorkerResult,
     _arrivals,
@@ -37,8 +39,6 @@ from secondbox_scheduler.infrastructure.bench.workers import (
     _WorkerState,
     summarize,
 )
-from secondbox_scheduler.infrastructure.cli import cli
-from secondbox_scheduler.infrastructure.settings import DATABASE_URL
 from tests.postgres_server import PostgresServer
 
 GOALS = {

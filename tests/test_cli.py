@@ -13,7 +13,7 @@ from typer.testing import CliRunner, Result
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.cli import cli
 from secondbox_scheduler.infrastructure.settings import DATABASE_URL
-from secondbox_scheduler.infrastructure.simulation import (
+from secondbox_scheduler.infrastructure.tools.simulation import (
     FULL_CAPABILITIES,
     OPERATOR,
     POOLS,

@@ -24,14 +24,14 @@ from secondbox_scheduler.domain.errors import (
     InvalidTransitionError,
     ReleaseProofError,
 )
-from secondbox_scheduler.domain.evidence import (
+from secondbox_scheduler.domain.lease import RunnerLease
+from secondbox_scheduler.domain.placement.evidence import (
     RuleFailure,
     RunnerEvaluation,
     Unlisted,
     summarize_refusals,
 )
-from secondbox_scheduler.domain.lease import RunnerLease
-from secondbox_scheduler.domain.placement import evaluate_runner, select_home_runner
+from secondbox_scheduler.domain.placement.rules import evaluate_runner, select_home_runner
 from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.domain.values import Capacity, MaterializationSnapshot
 from tests.aggregates import (

@@ -10,7 +10,7 @@ import pytest
 from eventsourcing.persistence import MapperDeserialisationError, Notification
 
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.simulation import SimulationConfig, run_simulation
+from secondbox_scheduler.infrastructure.tools.simulation import SimulationConfig, run_simulation
 from secondbox_scheduler.projections.event_decoder import EventDecoder
 from secondbox_scheduler.projections.notification_reader import read_pages
 from tests.conftest import PostgresSchema

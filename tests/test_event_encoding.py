@@ -17,12 +17,12 @@ from eventsourcing.persistence import Mapper, TranscodingNotRegisteredError
 
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.event_encoding import (
+from secondbox_scheduler.infrastructure.store.encoding import (
     EncodingMismatchError,
     EventMapper,
     _compare,
 )
-from secondbox_scheduler.infrastructure.simulation import SimulationConfig, run_simulation
+from secondbox_scheduler.infrastructure.tools.simulation import SimulationConfig, run_simulation
 from secondbox_scheduler.projections.notification_reader import read_pages
 
 

@@ -1,11 +1,11 @@
-"""Placement evidence read back from records (domain/evidence.py): what an event written
+"""Placement evidence read back from records (domain/placement/evidence.py): what an event written
 by any release says, decoded with the defaults the docs promise (docs/events.md 7)."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 
-from secondbox_scheduler.domain.evidence import (
+from secondbox_scheduler.domain.placement.evidence import (
     CAPACITY,
     EGRESS,
     PlacementDecision,
@@ -17,7 +17,7 @@ from secondbox_scheduler.domain.evidence import (
     rank_record,
     reason_label,
 )
-from secondbox_scheduler.domain.placement import decide
+from secondbox_scheduler.domain.placement.rules import decide
 from tests.aggregates import T0, TIMEOUT, new_lease, new_runner, requirements, slots
 
 

@@ -28,7 +28,7 @@ from secondbox_scheduler.domain.errors import (
     InvalidTransitionError,
 )
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.placement_batch import PlacementBatch
+from secondbox_scheduler.infrastructure.placing.batch import PlacementBatch
 from tests.conftest import Clock, Store
 from tests.factories import capacity, create_sandbox, register, schedule_request
 

@@ -1,4 +1,4 @@
-"""Replicas whose batches meet on a runner take turns (infrastructure/runner_locks.py).
+"""Replicas whose batches meet on a runner take turns (infrastructure/placing/runner_locks.py).
 
 The interleaving that used to cost a placement a lost race: replica A has read the hot
 runner and decided, replica B places on the same runner before A commits, A's save fails
@@ -19,10 +19,11 @@ import psycopg
 import pytest
 
 from secondbox_scheduler.domain import SchedulerError, SerializationContentionError
-from secondbox_scheduler.infrastructure import SchedulerApplication, runner_locks
-from secondbox_scheduler.infrastructure.audit_replay import verify
-from secondbox_scheduler.infrastructure.placement_batch import PlacementBatch
-from secondbox_scheduler.infrastructure.runner_locks import lock_key
+from secondbox_scheduler.infrastructure import SchedulerApplication
+from secondbox_scheduler.infrastructure.audit.replay import verify
+from secondbox_scheduler.infrastructure.placing import runner_locks
+from secondbox_scheduler.infrastructure.placing.batch import PlacementBatch
+from secondbox_scheduler.infrastructure.placing.runner_locks import lock_key
 from tests.conftest import Clock, PostgresSchema
 from tests.factories import capacity, create_sandbox, register, schedule_request
 

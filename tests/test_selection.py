@@ -26,11 +26,11 @@ from secondbox_scheduler.domain import (
     select_runner,
 )
 from secondbox_scheduler.domain.errors import PlacementError
-from secondbox_scheduler.domain.evidence import Unlisted, summarize_refusals
-from secondbox_scheduler.domain.placement import decide
+from secondbox_scheduler.domain.placement.evidence import Unlisted, summarize_refusals
+from secondbox_scheduler.domain.placement.rules import decide
 from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit_replay import explain
+from secondbox_scheduler.infrastructure.audit.replay import explain
 from tests.conftest import Clock
 from tests.factories import CAPABILITIES, HEARTBEAT_TIMEOUT, RUNTIME, TOOLCHAIN, capacity
 

@@ -24,14 +24,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from secondbox_scheduler.domain.chain import Checkpoint
+from secondbox_scheduler.domain.audit.chain import Checkpoint
 from secondbox_scheduler.domain.errors import CapacityExceededError
 from secondbox_scheduler.domain.ids import runner_uuid
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit_replay import checkpoint, verify
+from secondbox_scheduler.infrastructure.audit.replay import checkpoint, verify
 from secondbox_scheduler.infrastructure.cli import cli
-from secondbox_scheduler.infrastructure.simulation.config import SimulationConfig
-from secondbox_scheduler.infrastructure.simulation.run import run_simulation
+from secondbox_scheduler.infrastructure.tools.simulation.config import SimulationConfig
+from secondbox_scheduler.infrastructure.tools.simulation.run import run_simulation
 from tests.conftest import Clock, PostgresSchema, Store
 from tests.factories import capacity, create_sandbox, register, schedule_request
 from tests.histories import copy_history

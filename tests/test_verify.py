@@ -12,11 +12,20 @@ import pytest
 
 from secondbox_scheduler.domain import Capacity
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit_replay import fold
-from secondbox_scheduler.infrastructure.fault_injection import FaultRunConfig, run_fault_injection
-from secondbox_scheduler.infrastructure.fault_injection.probes import audit_probes, guard_probes
-from secondbox_scheduler.infrastructure.fault_injection.run import LOG_DIR_PREFIX, log_directory
-from secondbox_scheduler.infrastructure.fault_injection.worker import Worker
+from secondbox_scheduler.infrastructure.audit.replay import fold
+from secondbox_scheduler.infrastructure.tools.fault_injection import (
+    FaultRunConfig,
+    run_fault_injection,
+)
+from secondbox_scheduler.infrastructure.tools.fault_injection.probes import (
+    audit_probes,
+    guard_probes,
+)
+from secondbox_scheduler.infrastructure.tools.fault_injection.run import (
+    LOG_DIR_PREFIX,
+    log_directory,
+)
+from secondbox_scheduler.infrastructure.tools.fault_injection.worker import Worker
 from tests.conftest import Clock
 from tests.factories import CAPABILITIES, capacity, create_sandbox, register, schedule_request
 

@@ -25,31 +25,31 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from secondbox_scheduler.domain.errors import InvalidRequestError, NoCompatibleRunnerError
-from secondbox_scheduler.domain.evidence import RunnerEvaluation
 from secondbox_scheduler.domain.ids import sandbox_uuid
-from secondbox_scheduler.domain.placement import checked_dimensions, decide, select_runner
-from secondbox_scheduler.domain.ranking import SEED, BinPacking, RankingPolicy, Spread
+from secondbox_scheduler.domain.placement.evidence import RunnerEvaluation
+from secondbox_scheduler.domain.placement.ranking import SEED, BinPacking, RankingPolicy, Spread
+from secondbox_scheduler.domain.placement.rules import checked_dimensions, decide, select_runner
 from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.domain.values import Capacity, Requirements, RunnerSnapshot
-from secondbox_scheduler.domain.whatif import WhatIf
-from secondbox_scheduler.domain.whatif_changes import WhatIfChanges
-from secondbox_scheduler.domain.whatif_fleet import Fleet, FleetRunner, capacity_of
-from secondbox_scheduler.domain.whatif_pools import PoolView
-from secondbox_scheduler.domain.whatif_report import (
+from secondbox_scheduler.domain.whatif.changes import WhatIfChanges
+from secondbox_scheduler.domain.whatif.fleet import Fleet, FleetRunner, capacity_of
+from secondbox_scheduler.domain.whatif.pools import PoolView
+from secondbox_scheduler.domain.whatif.replay import WhatIf
+from secondbox_scheduler.domain.whatif.report import (
     MOVED,
     PLACED_TO_REFUSED,
     REFUSED_TO_PLACED,
     WhatIfReport,
 )
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.cli import cli
-from secondbox_scheduler.infrastructure.simulation import SimulationConfig, run_simulation
-from secondbox_scheduler.infrastructure.whatif_replay import (
+from secondbox_scheduler.infrastructure.audit.whatif_replay import (
     changes_from,
     load_changes,
     resolve_policy,
     whatif,
 )
+from secondbox_scheduler.infrastructure.cli import cli
+from secondbox_scheduler.infrastructure.tools.simulation import SimulationConfig, run_simulation
 from secondbox_scheduler.projections.event_decoder import EventDecoder
 from secondbox_scheduler.projections.notification_reader import read_pages
 from secondbox_scheduler.testing import SchedulerMachine, sqlite_store

@@ -125,7 +125,7 @@ def bench(
 ) -> None:
     if ctx.invoked_subcommand is not None:
         return
-    from secondbox_scheduler.infrastructure.bench import (
+    from secondbox_scheduler.infrastructure.tools.bench import (
         SECTIONS,
         BenchError,
         BenchSettings,
@@ -185,7 +185,7 @@ def bench_history(
     repeat: Annotated[int, typer.Option("--repeat", min=1, help="Loads timed per figure.")] = 15,
     as_json: JsonOutput = False,
 ) -> None:
-    from secondbox_scheduler.infrastructure.bench import measure_history
+    from secondbox_scheduler.infrastructure.tools.bench import measure_history
 
     try:
         wanted = [int(part) for part in sizes.split(",") if part.strip()]

@@ -38,9 +38,9 @@ def db_grant(
         bool, typer.Option("--dry-run", help="Print the statements without running them.")
     ] = False,
 ) -> None:
-    from secondbox_scheduler.infrastructure.db_roles import grant, grant_statements
     from secondbox_scheduler.infrastructure.settings import settings_from_url
-    from secondbox_scheduler.infrastructure.store_startup import connect_postgres
+    from secondbox_scheduler.infrastructure.store.roles import grant, grant_statements
+    from secondbox_scheduler.infrastructure.store.startup import connect_postgres
 
     with reported_errors():
         connection = connect_postgres(settings_from_url(database_url))

@@ -98,7 +98,7 @@ def verify_command(
 ) -> None:
     from pathlib import Path
 
-    from secondbox_scheduler.infrastructure.fault_injection import (
+    from secondbox_scheduler.infrastructure.tools.fault_injection import (
         FaultRunConfig,
         run_fault_injection,
     )

@@ -28,7 +28,7 @@ from secondbox_scheduler.infrastructure.cli.common import (
     store_errors,
 )
 from secondbox_scheduler.infrastructure.settings import DEFAULT_SQLITE_URL
-from secondbox_scheduler.infrastructure.simulation import (
+from secondbox_scheduler.infrastructure.tools.simulation import (
     ATTEMPTS_PER_CYCLE,
     HEARTBEAT_TIMEOUT,
     DimensionUse,

@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from secondbox_scheduler.domain.errors import InvalidRequestError
-from secondbox_scheduler.domain.whatif_evidence import DecisionView
+from secondbox_scheduler.domain.whatif.evidence import DecisionView
 from secondbox_scheduler.infrastructure.cli.common import (
     DatabaseUrl,
     JsonOutput,
@@ -34,7 +34,7 @@ from secondbox_scheduler.infrastructure.cli.common import (
 from secondbox_scheduler.infrastructure.settings import DEFAULT_SQLITE_URL
 
 if TYPE_CHECKING:
-    from secondbox_scheduler.infrastructure.whatif_replay import WhatIfResult
+    from secondbox_scheduler.infrastructure.audit.whatif_replay import WhatIfResult
 
 WHATIF_HELP = (
     "Replay the recorded demand of the history in memory under changes, write nothing, "
@@ -110,8 +110,12 @@ def audit_whatif(
     ] = None,
     as_json: JsonOutput = False,
 ) -> None:
-    from secondbox_scheduler.infrastructure.audit_replay import parse_until
-    from secondbox_scheduler.infrastructure.whatif_replay import changes_from, load_changes, whatif
+    from secondbox_scheduler.infrastructure.audit.replay import parse_until
+    from secondbox_scheduler.infrastructure.audit.whatif_replay import (
+        changes_from,
+        load_changes,
+        whatif,
+    )
 
     with reported_errors(), store_errors(database_url):
         data: dict[str, Any] = load_changes(changes_file) if changes_file else {}

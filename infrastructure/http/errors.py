@@ -61,7 +61,7 @@ from secondbox_scheduler.domain.errors import (
     StaleFenceError,
 )
 from secondbox_scheduler.infrastructure.metrics import refusal_reasons
-from secondbox_scheduler.infrastructure.store_startup import StoreUnavailableError
+from secondbox_scheduler.infrastructure.store.startup import StoreUnavailableError
 
 RETRY_AFTER_CONTENTION = 1  # seconds; a lost race clears within milliseconds
 RETRY_AFTER_STORE = 5  # seconds; a restarting database takes a few

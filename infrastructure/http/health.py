@@ -26,7 +26,7 @@ from starlette.responses import Response
 from secondbox_scheduler.domain.errors import SchedulerError
 from secondbox_scheduler.infrastructure.http.common import Scheduler, respond
 from secondbox_scheduler.infrastructure.http.errors import RETRY_AFTER_STORE
-from secondbox_scheduler.infrastructure.store_startup import StoreUnavailableError
+from secondbox_scheduler.infrastructure.store.startup import StoreUnavailableError
 
 router = APIRouter(tags=["operations"])
 

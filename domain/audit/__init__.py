@@ -1,0 +1,1 @@
+"""Audit: the fold that re-checks every invariant over the log, and the hash chain."""

@@ -1,0 +1,346 @@
+"""Placement's evidence vocabulary: what a decision records and how it is summarised.
+
+Reason codes and their labels, one rule's failure, one runner's evaluation, the counts of
+runners without a record of their own, bounded evidence, refusal summaries in
+kube-scheduler's manner, and the decision records that events carry (docs/events.md
+section 7). The rules themselves, which produce this evidence, are in
+:mod:`secondbox_scheduler.domain.placement.rules`; the audit fold and ``audit explain`` read it
+back. This module imports only the value types, and only for their names.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from secondbox_scheduler.domain.values import RunnerSnapshot
+
+# Reason codes of the placement rules (SPEC section 3), in the order the rules run.
+POOL = "pool"
+ARCHITECTURE = "architecture"
+DRAINING = "draining"
+HEARTBEAT_STALE = "heartbeat_stale"
+BACKEND = "backend"
+MATERIALIZATION = "materialization"
+GUEST_PROTOCOL = "guest_protocol"
+CAPABILITY = "capability"
+PREREQUISITE = "prerequisite"
+CAPACITY = "capacity"
+EGRESS = "egress"
+REASON_CODES: tuple[str, ...] = (
+    POOL,
+    ARCHITECTURE,
+    DRAINING,
+    HEARTBEAT_STALE,
+    BACKEND,
+    MATERIALIZATION,
+    GUEST_PROTOCOL,
+    CAPABILITY,
+    PREREQUISITE,
+    CAPACITY,
+    EGRESS,
+)
+
+# The ranking key of a compatible runner, smaller is better (SPEC section 3 ranking):
+# (-artifact locality, -free instances, -free vcpu, -free memory, runner id).
+RankKey = tuple[int, int, int, int, str]
+# How decision records name the first four parts (as the positive amounts they are).
+RANK_FIELDS = ("artifact_locality", "free_instances", "free_vcpu_count", "free_memory_bytes")
+
+
+def rank_record(key: RankKey) -> dict[str, int]:
+    """The ``rank`` of a candidate record: the ranking key's amounts by name."""
+    return {name: -part for name, part in zip(RANK_FIELDS, key[:4], strict=True)}
+
+
+def rank_key_from_record(runner_id: str, rank: Mapping[str, int] | None) -> tuple[int | str, ...]:
+    """The ranking key a candidate record states (missing amounts count as 0)."""
+    stated = rank or {}
+    return (*(-int(stated.get(name, 0)) for name in RANK_FIELDS), runner_id)
+
+
+@dataclass(frozen=True)
+class RuleFailure:
+    """One rule a runner failed: its reason code and a human detail.
+
+    ``shortfall`` is set for ``capacity``: per dimension, how much is missing.
+    """
+
+    code: str
+    detail: str
+    shortfall: Mapping[str, int] = field(default_factory=dict)
+
+    def to_record(self) -> dict[str, Any]:
+        record: dict[str, Any] = {"code": self.code, "detail": self.detail}
+        if self.shortfall:
+            record["shortfall"] = dict(self.shortfall)
+        return record
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> RuleFailure:
+        return cls(record["code"], record["detail"], dict(record.get("shortfall", {})))
+
+
+@dataclass(frozen=True)
+class RunnerEvaluation:
+    """Every rule one runner failed for one set of requirements (empty: compatible)."""
+
+    runner_id: str
+    failures: tuple[RuleFailure, ...]
+
+    @property
+    def compatible(self) -> bool:
+        return not self.failures
+
+    @property
+    def reason_codes(self) -> tuple[str, ...]:
+        return tuple(failure.code for failure in self.failures)
+
+    @property
+    def failed_only_egress(self) -> bool:
+        return self.reason_codes == (EGRESS,)
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "runner_id": self.runner_id,
+            "failures": [failure.to_record() for failure in self.failures],
+        }
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> RunnerEvaluation:
+        return cls(
+            record["runner_id"],
+            tuple(RuleFailure.from_record(f) for f in record["failures"]),
+        )
+
+
+_LABELS = {
+    POOL: "in another pool",
+    ARCHITECTURE: "of another architecture",
+    DRAINING: "draining",
+    HEARTBEAT_STALE: "heartbeat stale",
+    BACKEND: "without compute backend",
+    MATERIALIZATION: "without the materialization",
+    GUEST_PROTOCOL: "guest protocol unsupported",
+    CAPABILITY: "missing a required capability",
+    PREREQUISITE: "missing a prerequisite capability",
+    EGRESS: "egress context unsupported",
+}
+
+
+def reason_label(reason: str) -> str:
+    """The summary label of a reason key: a code, or ``capacity:<dimension>``."""
+    if reason.startswith(f"{CAPACITY}:"):
+        return f"insufficient {reason.split(':', 1)[1]}"
+    return _LABELS[reason]
+
+
+def reason_keys(evaluation: RunnerEvaluation) -> list[str]:
+    """Reason keys of one evaluation: codes, capacity split per dimension."""
+    keys: list[str] = []
+    for failure in evaluation.failures:
+        if failure.code == CAPACITY:
+            keys.extend(f"{CAPACITY}:{dim}" for dim in failure.shortfall)
+        else:
+            keys.append(failure.code)
+    return keys
+
+
+@dataclass(frozen=True)
+class Unlisted:
+    """Runners of a decision that have no evaluation record of their own, as counts.
+
+    ``refused``: runners refused without a record (by the store's prefilter on plain
+    columns, or evaluated and elided from bounded evidence); ``reasons`` counts them per
+    reason key (a code, or ``capacity:<dimension>``; a runner counts once per reason).
+    ``compatible``: compatible runners elided from the evidence. ``not_evaluated``:
+    runners that passed the prefilter but were never evaluated because they rank below
+    the chosen runner by an upper bound of their ranking key.
+    """
+
+    refused: int = 0
+    compatible: int = 0
+    not_evaluated: int = 0
+    reasons: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.refused + self.compatible + self.not_evaluated
+
+    def __bool__(self) -> bool:
+        return self.total > 0
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "refused": self.refused,
+            "compatible": self.compatible,
+            "not_evaluated": self.not_evaluated,
+            "reasons": {key: count for key, count in sorted(self.reasons.items()) if count},
+        }
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any] | None) -> Unlisted:
+        if not record:
+            return cls()
+        return cls(
+            int(record.get("refused", 0)),
+            int(record.get("compatible", 0)),
+            int(record.get("not_evaluated", 0)),
+            {str(k): int(v) for k, v in dict(record.get("reasons", {})).items()},
+        )
+
+    def merged(self, other: Unlisted) -> Unlisted:
+        reasons = Counter(self.reasons)
+        reasons.update(other.reasons)
+        return Unlisted(
+            self.refused + other.refused,
+            self.compatible + other.compatible,
+            self.not_evaluated + other.not_evaluated,
+            dict(reasons),
+        )
+
+
+EVIDENCE_PER_REASON = 8
+
+
+def bounded_evidence(
+    evaluations: Sequence[RunnerEvaluation],
+    chosen_id: str | None,
+    per_reason: int = EVIDENCE_PER_REASON,
+) -> tuple[list[int], Unlisted]:
+    """Which evaluations to record (indexes, in order) and counts for the others.
+
+    Kept: the chosen runner, the first ``per_reason`` other compatible runners, and
+    for every combination of reasons the first ``per_reason`` runners refused by it.
+    Every reason that refused any runner therefore keeps at least one example.
+    """
+    kept: list[int] = []
+    seen: Counter[tuple[str, ...]] = Counter()
+    compatible = refused = 0
+    reasons: Counter[str] = Counter()
+    for index, evaluation in enumerate(evaluations):
+        if evaluation.runner_id == chosen_id and evaluation.compatible:
+            kept.append(index)
+            continue
+        combination = evaluation.reason_codes
+        if seen[combination] < per_reason:
+            seen[combination] += 1
+            kept.append(index)
+        elif evaluation.compatible:
+            compatible += 1
+        else:
+            refused += 1
+            reasons.update(reason_keys(evaluation))
+    return kept, Unlisted(refused=refused, compatible=compatible, reasons=dict(reasons))
+
+
+def refusal_counts(
+    evaluations: Iterable[RunnerEvaluation], unlisted: Unlisted | None = None
+) -> Counter[str]:
+    """How many runners each reason refused; capacity is split per dimension."""
+    counts: Counter[str] = Counter()
+    for evaluation in evaluations:
+        for key in reason_keys(evaluation):
+            counts[reason_label(key)] += 1
+    if unlisted is not None:
+        for key, count in unlisted.reasons.items():
+            if count:
+                counts[reason_label(key)] += count
+    return counts
+
+
+def summarize_refusals(
+    evaluations: Sequence[RunnerEvaluation], unlisted: Unlisted | None = None
+) -> str:
+    """kube-scheduler style: '0/12 runners are available: 5 insufficient memory_bytes, ...'.
+
+    With ``unlisted`` counts (runners without a record of their own), the total counts
+    them too, and runners never evaluated are named: '3/10000 runners are available
+    (9950 not evaluated: ranked below the chosen runner): ...'.
+    """
+    extra = unlisted or Unlisted()
+    if not evaluations and not extra:
+        return ""
+    available = sum(1 for evaluation in evaluations if evaluation.compatible) + extra.compatible
+    counts = refusal_counts(evaluations, extra)
+    head = f"{available}/{len(evaluations) + extra.total} runners are available"
+    if extra.not_evaluated:
+        head += f" ({extra.not_evaluated} not evaluated: ranked below the chosen runner)"
+    if not counts:
+        return head
+    parts = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    return head + ": " + ", ".join(f"{count} {label}" for label, count in parts)
+
+
+@dataclass(frozen=True)
+class PlacementDecision:
+    """The outcome of one selection and the evidence it was made on.
+
+    ``unlisted`` counts the runners of the pool that were decided without an
+    evaluation here (see :class:`Unlisted`): excluded by a store's prefilter, or never
+    evaluated because they provably rank below ``chosen``.
+    """
+
+    chosen: RunnerSnapshot | None
+    evaluations: tuple[RunnerEvaluation, ...]
+    unlisted: Unlisted = field(default_factory=lambda: Unlisted())
+    # per evaluation, the ranking key of a compatible runner (None for a refused one)
+    ranks: tuple[RankKey | None, ...] = ()
+
+    @property
+    def compatible_count(self) -> int:
+        return sum(1 for evaluation in self.evaluations if evaluation.compatible)
+
+    def summary(self) -> str:
+        return summarize_refusals(self.evaluations, self.unlisted)
+
+
+# -- decision records (what events carry; docs/events.md section 7) -------------
+
+
+def decision_record(
+    now: datetime,
+    heartbeat_timeout: timedelta,
+    chosen: str,
+    candidates: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The common part of a placement's evidence: when, with which heartbeat timeout,
+    which runner, and the candidate records."""
+    return {
+        "decided_at": now,
+        "heartbeat_timeout_seconds": heartbeat_timeout.total_seconds(),
+        "chosen_runner_id": chosen,
+        "candidates": candidates or [],
+    }
+
+
+def ranked_candidates(
+    evaluations: Sequence[RunnerEvaluation], ranks: Sequence[RankKey | None]
+) -> list[dict[str, Any]]:
+    """Candidate records; compatible ones carry the ranking keys they were ordered by."""
+    records = []
+    for evaluation, key in zip(evaluations, ranks, strict=True):
+        record = evaluation.to_record()
+        if evaluation.compatible and key is not None:
+            record["rank"] = rank_record(key)
+        records.append(record)
+    return records
+
+
+def home_decision_record(
+    decision: PlacementDecision, now: datetime, heartbeat_timeout: timedelta
+) -> dict[str, Any]:
+    """The evidence of a home decision (docs/events.md 7.3): bounded candidate records,
+    and ``unlisted`` counts for the pool's runners without a record."""
+    assert decision.chosen is not None
+    kept, elided = bounded_evidence(decision.evaluations, decision.chosen.id)
+    candidates = ranked_candidates(
+        [decision.evaluations[i] for i in kept], [decision.ranks[i] for i in kept]
+    )
+    record = decision_record(now, heartbeat_timeout, decision.chosen.id, candidates)
+    record["unlisted"] = decision.unlisted.merged(elided).to_record()
+    return record

@@ -1,0 +1,222 @@
+"""Group commit of concurrent ``schedule`` calls in one process.
+
+Callers queue their requests; one of them at a time, the leader, takes what is queued
+(up to the batch size, after waiting at most the longest wait for more), decides and
+commits it as one :class:`~.placement_batch.PlacementBatch`, answers every caller in
+it, and hands the lead to the first caller still queued. A lone call leads at once and
+waits for nobody (the default longest wait is 0): batches form by themselves while a
+commit is in flight, as a database's group commit does. A leader whose previous batch
+held several requests waits for as many callers to queue again (:func:`regroup`): a
+leader still alone goes after ``REGROUP_WAIT`` (1 ms: a lone call never waits longer);
+after a batch of two or three, 1 ms in all; after a batch of ``LOADED`` (4) or more,
+once others have queued, for as long as calls keep arriving (``REGROUP_GAP``, 2 ms,
+after the latest ends the wait), at most ``REGROUP_LIMIT`` (8 ms). The wait ends as
+soon as they are all back. A call the batch handed back (its home runner was held by
+another replica's batch, :mod:`.runner_locks`) is queued again before every later call,
+and its next batch waits for the runner. A caller interrupted while it waits or leads
+leaves the queue and passes the lead on (its request, if a batch being run defers it, is
+not queued again). Settings: ``SECONDBOX_BATCH_SIZE`` (default 64) and
+``SECONDBOX_BATCH_WAIT_MS`` (default 0: the regroup above; more: a leader waits that
+long for a full batch).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from secondbox_scheduler.domain.values import DurableAssignment, ScheduleRequest
+
+if TYPE_CHECKING:
+    from secondbox_scheduler.infrastructure.placing.batch import Outcome
+
+DEFAULT_BATCH_SIZE = 64
+DEFAULT_BATCH_WAIT = 0.0
+# Under load, the callers a batch answered come back together; the first of them would
+# lead a batch of one while the rest queue behind it (batches of 1, 15, 1, 15, ...).
+# So a leader whose previous batch held several requests waits for as many to queue
+# again. A lone call after a lone call never waits, and a leader that nobody joins goes
+# after REGROUP_WAIT. Under load (a batch of LOADED or more), the callers come back over
+# milliseconds (each thread must get a CPU: 1.9 ms median, 5.7 ms p90 in the bench), and
+# one that misses the batch waits for all of it (docs/performance.md): there, once
+# others have joined, the leader waits while they keep arriving, up to REGROUP_LIMIT,
+# and stops when none came for REGROUP_GAP (the load dropped).
+REGROUP_WAIT = 0.001
+LOADED = 4
+REGROUP_GAP = 0.002
+REGROUP_LIMIT = 0.008
+
+
+def regroup(previous: int, size: int, wait: float) -> tuple[int, float, float, float]:
+    """How a leader waits before it takes its batch, after a batch of ``previous``
+    requests, with the batch size and the configured longest wait (0: none configured):
+    (calls wanted, longest wait while alone, longest pause after the latest arrival once
+    joined, longest wait in all)."""
+    if wait > 0:  # the configured wait, for a full batch
+        return size, wait, wait, wait
+    wanted = min(size, previous)
+    if wanted >= LOADED:
+        return wanted, REGROUP_WAIT, REGROUP_GAP, REGROUP_LIMIT
+    return wanted, REGROUP_WAIT, REGROUP_WAIT, REGROUP_WAIT
+
+
+class _Signal:
+    """A one-way wake-up on a bare lock (``threading.Event`` is a condition variable,
+    a lock and a list of waiters in Python: several times the work per call). Unlike an
+    Event it must not be set by two threads at once (both could release the lock): a
+    slot is woken by the one thread that passes it the lead (holding the batcher's lock)
+    or by the leader of the one batch that answered it."""
+
+    __slots__ = ("_lock", "_set")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._set = False
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            self._lock.release()
+
+    def clear(self) -> None:
+        if self._set:
+            self._lock.acquire()
+            self._set = False
+
+    def wait(self) -> None:
+        self._lock.acquire()
+        self._lock.release()
+
+
+class _Slot:
+    """One queued call: its request, then its answer or the lead."""
+
+    __slots__ = ("abandoned", "deferred", "done", "lead", "outcome", "request", "wake")
+
+    def __init__(self, request: ScheduleRequest) -> None:
+        self.request = request
+        self.abandoned = False  # its caller was interrupted: never queued again
+        self.outcome: Outcome | BaseException | None = None
+        self.done = False
+        self.lead = False
+        self.deferred = False  # once deferred, its next batch waits for its runner
+        self.wake = _Signal()
+
+
+class PlacementBatcher:
+    """Queues concurrent placements and commits them in batches, in arrival order."""
+
+    def __init__(
+        self,
+        run: Callable[[Sequence[ScheduleRequest], Sequence[bool]], list[Outcome | None]],
+        *,
+        size: int = DEFAULT_BATCH_SIZE,
+        wait: float = DEFAULT_BATCH_WAIT,
+    ) -> None:
+        self._run = run
+        self.size = size
+        self.wait = wait
+        self._queue: deque[_Slot] = deque()
+        self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)  # a call queued (for the leader)
+        self._busy = False
+        self._last_size = 0  # requests in the previous batch
+        self._last_arrival = 0.0  # time.monotonic() of the latest call queued
+        self._wanted = 0  # while a leader regroups: the calls it waits for
+
+    def schedule(self, request: ScheduleRequest) -> tuple[DurableAssignment, bool]:
+        slot = _Slot(request)
+        with self._arrived:
+            self._queue.append(slot)
+            self._last_arrival = time.monotonic()
+            if not self._busy:
+                self._busy = slot.lead = True
+            elif 0 < self._wanted <= len(self._queue):
+                self._arrived.notify()  # the regrouping leader has all it waits for
+        try:
+            while True:
+                if not slot.lead:
+                    slot.wake.wait()
+                if slot.done:
+                    break
+                self._lead()  # this caller leads the next batch (its own request is in it)
+        except BaseException:  # interrupted (not by the batch: its errors are answers)
+            self._abandon(slot)
+            raise
+        outcome = slot.outcome
+        if isinstance(outcome, BaseException):
+            raise outcome
+        assert outcome is not None
+        return outcome
+
+    def _lead(self) -> None:
+        with self._arrived:
+            self._regroup()
+            batch = [self._queue.popleft() for _ in range(min(self.size, len(self._queue)))]
+            self._last_size = len(batch)
+        try:
+            outcomes: Sequence[Outcome | BaseException | None] = self._run(
+                [s.request for s in batch], [not s.deferred for s in batch]
+            )
+            if len(outcomes) != len(batch):
+                raise RuntimeError(f"{len(outcomes)} answers to a batch of {len(batch)}")
+        except BaseException as error:  # the store failed: every caller of the batch hears it
+            outcomes = [error] * len(batch)
+        deferred, answered = [], []
+        for slot, outcome in zip(batch, outcomes, strict=True):
+            if outcome is None:  # its runner was busy: first in the next batch
+                slot.deferred, slot.lead = True, False
+                slot.wake.clear()
+                deferred.append(slot)
+            else:
+                slot.outcome, slot.done = outcome, True
+                answered.append(slot)
+        with self._lock:
+            self._queue.extendleft(reversed([s for s in deferred if not s.abandoned]))
+            self._pass_lead()
+        # only the slots this batch answered: a deferred one is the next leader's to wake
+        for slot in answered:
+            slot.wake.set()
+
+    def _regroup(self) -> None:
+        """Wait (holding ``self._lock`` only between wake-ups) for the calls
+        :func:`regroup` says, while they keep coming. Callers notify only once all are
+        queued; a timer wake-up with a later arrival waits on from that arrival."""
+        wanted, alone, gap, limit = regroup(self._last_size, self.size, self.wait)
+        start = time.monotonic()
+        deadline = start + limit
+        self._wanted = wanted
+        try:
+            while len(self._queue) < wanted:
+                pause = gap if len(self._queue) > 1 else alone
+                timeout = min(deadline, max(self._last_arrival, start) + pause) - time.monotonic()
+                if timeout <= 0:
+                    break  # the longest wait is over, or nobody came for ``pause``
+                self._arrived.wait(timeout)
+        finally:
+            self._wanted = 0
+
+    def _abandon(self, slot: _Slot) -> None:
+        """A caller interrupted while queued or leading (a KeyboardInterrupt, say): its
+        request leaves the queue, and if it held the lead, the lead passes on, so the
+        other callers are not left waiting for it."""
+        with self._lock:
+            slot.abandoned = True  # in a batch being run: not queued again if deferred
+            if slot in self._queue:
+                self._queue.remove(slot)
+            if slot.lead and not slot.done:
+                slot.lead = False
+                self._pass_lead()
+
+    def _pass_lead(self) -> None:
+        """(Holding ``self._lock``.) The first caller queued leads next; none: idle."""
+        if self._queue:
+            successor = self._queue[0]
+            successor.lead = True
+            successor.wake.set()
+        else:
+            self._busy = False

@@ -1,0 +1,141 @@
+"""The fault-injection run behind ``secondbox-scheduler verify``: replicas killed mid-way.
+
+:func:`run_fault_injection` creates a fresh PostgreSQL database, registers a fleet with
+hot spots (:mod:`.fleet`), starts N worker processes (:mod:`.worker`) that schedule,
+release, drain, heartbeat and reconcile concurrently until the deadline, SIGKILLs random
+workers at random moments and restarts them, optionally restarts PostgreSQL mid-run, and
+then runs the final checks (:mod:`.checks`). The workers' journals and logs go to the
+configured ``log_dir`` or to a new temporary directory, named in the report.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.tools.fault_injection.checks import check
+from secondbox_scheduler.infrastructure.tools.fault_injection.config import (
+    PROFILES,
+    FaultRunConfig,
+    FaultRunReport,
+)
+from secondbox_scheduler.infrastructure.tools.fault_injection.database import (
+    drop_database,
+    fault_run_database,
+)
+from secondbox_scheduler.infrastructure.tools.fault_injection.fleet import setup_fleet
+
+WORKER_MODULE = "secondbox_scheduler.infrastructure.tools.fault_injection.worker"
+LOG_DIR_PREFIX = "secondbox-fault-run-"
+
+
+def log_directory(config: FaultRunConfig) -> Path:
+    """Where this run's journals and logs go: ``config.log_dir`` (created, and emptied of
+    an earlier run's worker files, which a restarted worker would otherwise read as its
+    own), or a new temporary directory."""
+    if config.log_dir is None:
+        return Path(tempfile.mkdtemp(prefix=LOG_DIR_PREFIX))
+    directory = config.log_dir.resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    for old in [*directory.glob("worker-*.jsonl"), *directory.glob("worker-*.log")]:
+        old.unlink()
+    return directory
+
+
+def restart_postgres() -> bool:
+    """Restart the local cluster with pg_ctlcluster; False where this machine can't."""
+    if not shutil.which("pg_ctlcluster"):
+        return False
+    versions = sorted(Path("/etc/postgresql").glob("*"))
+    if not versions:
+        return False
+    result = subprocess.run(
+        ["pg_ctlcluster", "--skip-systemctl-redirect", versions[-1].name, "main", "restart"],
+        capture_output=True,
+    )
+    return result.returncode == 0
+
+
+def run_fault_injection(
+    config: FaultRunConfig, say: Callable[[str], None] = lambda _: None
+) -> FaultRunReport:
+    if config.profile not in PROFILES:
+        raise ValueError(f"profile must be one of {list(PROFILES)}, not {config.profile!r}")
+    name = f"secondbox_verify_{int(time.time())}"
+    url = fault_run_database(config.database_url, name)
+    directory = log_directory(config)
+    report = FaultRunReport(database=name, log_dir=directory, batching=config.batching)
+    try:
+        setup = SchedulerApplication(env={"SECONDBOX_DATABASE_URL": url})
+        runners, sandboxes = setup_fleet(setup, config)
+        setup.close()
+        batching = "on" if config.batching else "off"
+        say(f"fleet of {len(runners)} runners, {len(sandboxes)} sandboxes in database {name} "
+            f"(profile {config.profile}, batching {batching})")  # fmt: skip
+        say(f"worker journals and logs in {directory}")
+        deadline = time.time() + config.duration
+        rng = random.Random(config.seed)
+        configs = [
+            {
+                "index": index, "database_url": url, "seed": config.seed, "deadline": deadline,
+                "profile": config.profile, "batching": config.batching,
+                "journal": str(directory / f"worker-{index}.jsonl"), "runners": runners,
+                "sandboxes": sandboxes[index :: config.workers],
+            }
+            for index in range(config.workers)
+        ]  # fmt: skip
+
+        def start(worker: dict[str, Any]) -> subprocess.Popen[bytes]:
+            log = (directory / f"worker-{worker['index']}.log").open("ab")
+            process = subprocess.Popen(
+                [sys.executable, "-m", WORKER_MODULE], stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL, stderr=log,
+            )  # fmt: skip
+            assert process.stdin is not None  # the config (and its URL) never on a command line
+            process.stdin.write(json.dumps(worker).encode() + b"\n")
+            process.stdin.close()
+            return process
+
+        processes = [start(worker) for worker in configs]
+        kill_times = sorted(
+            time.time() + rng.uniform(0.1, 0.8) * config.duration
+            for _ in range(config.kill_workers)
+        )
+        restart_at = time.time() + 0.5 * config.duration if config.restart_postgres else None
+        while time.time() < deadline:
+            time.sleep(0.05)
+            if kill_times and time.time() >= kill_times[0]:
+                kill_times.pop(0)
+                victim = rng.randrange(config.workers)
+                processes[victim].kill()
+                processes[victim].wait()
+                report.kills += 1
+                say(f"killed worker {victim} (SIGKILL); restarting it")
+                processes[victim] = start(configs[victim])
+            if restart_at is not None and time.time() >= restart_at:
+                restart_at = None
+                if restart_postgres():
+                    report.restarts_of_postgres += 1
+                    say("restarted PostgreSQL")
+                else:
+                    say("could not restart PostgreSQL on this machine; skipped")
+        for process in processes:
+            try:
+                process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        say("workers done; checking")
+        check(url, configs, report, adversarial=config.profile == "adversarial")
+    finally:
+        if not config.keep:
+            drop_database(config.database_url, name)
+    return report
