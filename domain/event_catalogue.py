@@ -43,7 +43,7 @@ def _named_creation(created: type[Any]) -> bool:
     """Whether the aggregate of ``created`` (the library's generated ``X.Created``) is
     created by an event of another name (``Runner.Registered``): then none is stored as
     ``X.Created``."""
-    outer = vars(__import__(created.__module__, fromlist=["_"]))[created.__qualname__.split(".")[0]]
+    outer = getattr(sys.modules[created.__module__], created.__qualname__.split(".")[0])
     return any(
         isinstance(value, type) and issubclass(value, Aggregate.Created) and value is not created
         for value in vars(outer).values()
