@@ -20,6 +20,7 @@ from eventsourcing.domain import Aggregate
 from secondbox_scheduler.domain.audit.fold import AuditFold, Violation
 from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
 from secondbox_scheduler.domain.lease import RunnerLease
+from secondbox_scheduler.domain.placement.deciding import Placed, Refused, decide_placement
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.domain.values import (
@@ -168,22 +169,11 @@ def place(
     """What ``schedule`` does: fence on the sandbox, reserve on the runner."""
     sandbox_id = sandbox.sandbox_id
     wanted = request(sandbox_id, at, **overrides)
-    record, token_use = sandbox.fence(
-        wanted,
-        runner.snapshot(lease),
-        runner_version=runner.version,
-        lease_version=lease.version,
-        attempt=0,
-        clock=at,
-    )
-    runner.reserve(
-        assignment_id=wanted.assignment_id,
-        sandbox_id=sandbox_id,
-        generation=record["generation"],
-        capacity=wanted.requirements.capacity,
-        at=at,
-    )
-    return Placement(wanted, token_use)
+    decided = decide_placement(wanted, sandbox, lambda _: (runner, lease), attempt=0, clock=at)
+    if isinstance(decided, Refused):
+        raise decided.error
+    assert isinstance(decided, Placed), decided
+    return Placement(wanted, decided.token)
 
 
 def free(runner: Runner, lease: RunnerLease) -> dict[str, int]:

@@ -652,8 +652,8 @@ def test_a_reused_token_dropped_from_a_batch_leaves_no_reservation_in_the_cached
     assert outcomes[0][1]
     assert isinstance(outcomes[1], InvalidRequestError)
 
-    cached = app._load(runner_uuid("r1"), Runner)
-    stored = store.open()._load(runner_uuid("r1"), Runner)  # another replica: no cache
+    cached = app.load(runner_uuid("r1"), Runner)
+    stored = store.open().load(runner_uuid("r1"), Runner)  # another replica: no cache
     assert cached is not None
     assert stored is not None
     assert cached.version == stored.version
@@ -680,7 +680,7 @@ def test_a_placement_after_a_reused_token_keeps_the_runner_stream_readable(
     assert outcome[1]
 
     other = store.open()
-    runner = other._load(runner_uuid("r1"), Runner)  # must not raise
+    runner = other.load(runner_uuid("r1"), Runner)  # must not raise
     assert runner is not None
     assert runner.holds("s1", 1)
     assert runner.holds("s3", 1)
@@ -708,8 +708,8 @@ def test_a_refused_request_with_a_reused_token_is_answered_as_invalid(
     assert isinstance(reused, InvalidRequestError)
     assert reused.field == "fencing_token"
     assert isinstance(full, PlacementError)
-    assert app._load(refusal_log_uuid("s2"), RefusalLog) is None
-    assert app._load(refusal_log_uuid("s3"), RefusalLog) is not None
+    assert app.load(refusal_log_uuid("s2"), RefusalLog) is None
+    assert app.load(refusal_log_uuid("s3"), RefusalLog) is not None
 
 
 def test_the_refusals_of_a_batch_are_recorded_together_once(

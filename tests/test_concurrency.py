@@ -18,7 +18,7 @@ from secondbox_scheduler.domain import (
 )
 from secondbox_scheduler.domain.ids import sandbox_uuid
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.application import backoff_ceiling
+from secondbox_scheduler.infrastructure.retrying import backoff_ceiling
 from tests.conftest import Clock, Store
 from tests.factories import capacity, create_sandbox, register, requirements, schedule_request
 

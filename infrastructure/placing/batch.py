@@ -28,17 +28,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from uuid import UUID
 
 from eventsourcing.persistence import IntegrityError
 
-from secondbox_scheduler.domain.assignment import to_durable_assignment
 from secondbox_scheduler.domain.errors import (
     HomeRunnerUnavailableError,
     InvalidRequestError,
     PlacementError,
-    ProfileRevisionMismatchError,
     RunnerNotFoundError,
     SchedulerError,
     SerializationContentionError,
@@ -51,16 +49,18 @@ from secondbox_scheduler.domain.ids import (
     sandbox_uuid,
 )
 from secondbox_scheduler.domain.lease import RunnerLease
+from secondbox_scheduler.domain.placement.deciding import (
+    HomeRunner,
+    Placed,
+    Refused,
+    Replayed,
+    decide_placement,
+)
 from secondbox_scheduler.domain.refusals import OPERATION_SCHEDULE, Refusal
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.sandbox import TOKEN_REUSED, Sandbox
-from secondbox_scheduler.domain.values import DurableAssignment, ScheduleRequest
-from secondbox_scheduler.infrastructure.store.fast_forward import load_many
-
-if TYPE_CHECKING:
-    from secondbox_scheduler.infrastructure.application import SchedulerApplication
-
-Outcome = tuple[DurableAssignment, bool] | SchedulerError
+from secondbox_scheduler.domain.values import ScheduleRequest
+from secondbox_scheduler.infrastructure.placing.port import Outcome, PlacementStore
 
 
 @dataclass
@@ -83,8 +83,8 @@ class _Decision:
 class PlacementBatch:
     """Decides and commits one batch of already validated requests."""
 
-    def __init__(self, app: SchedulerApplication) -> None:
-        self.app = app
+    def __init__(self, store: PlacementStore) -> None:
+        self.store = store
 
     def run(self, requests: Sequence[ScheduleRequest]) -> list[Outcome]:
         """Every request's answer (``schedule_many``: none deferred)."""
@@ -115,7 +115,7 @@ class PlacementBatch:
             homes = set(home_of.values())
             patient = {home_of[i] for i in home_of if not deferrable[i]} if may_defer else None
             # liveness only (:mod:`.runner_locks`)
-            with self.app.runner_locks.hold(
+            with self.store.runner_locks.hold(
                 homes,
                 wait_for=patient,
                 worth_deferring=partial(_few_deferred, list(home_of.values()), len(pending)),
@@ -128,28 +128,28 @@ class PlacementBatch:
             self._refuse_used_tokens([d for d in decisions if d.index not in retry])
             may_defer = False  # a request decided again waits for its runner
             if deferred:
-                self.app.metrics.add("placements_deferred", len(deferred))
+                self.store.metrics.add("placements_deferred", len(deferred))
             final = [decision for decision in decisions if decision.index not in retry]
             for decision in final:
                 outcomes[decision.index] = decision.outcome
                 self._account(decision)
-            self.app._record_refusals([r for d in final if (r := _refusal(d)) is not None])
+            self.store.record_refusals([r for d in final if (r := _refusal(d)) is not None])
             todo = []
             for index in sorted(retry):
                 conflicts[index] += 1
                 limit = requests[index].serialization_retry_limit
                 if conflicts[index] > limit:
-                    self.app.metrics.add("contention_errors")
+                    self.store.metrics.add("contention_errors")
                     outcomes[index] = SerializationContentionError(
                         limit + 1, f"sandbox {requests[index].sandbox_id!r}"
                     )
                 else:
-                    self.app.metrics.add("contention_retries")
+                    self.store.metrics.add("contention_retries")
                     todo.append(index)
             if todo:
-                self.app.backoff(round_)
+                self.store.backoff(round_)
                 round_ += 1
-        self.app.metrics.batch(len(requests))
+        self.store.metrics.batch(len(requests))
         return outcomes
 
     # -- deciding ---------------------------------------------------------------
@@ -162,9 +162,9 @@ class PlacementBatch:
     ) -> list[_Decision]:
         """Decide each request in order against the state the earlier ones left. The
         batch's sandboxes were read with one load; their home runners and leases are
-        read with another (:func:`~.fast_forward.load_many`)."""
+        read with another (``PlacementStore.load_many``)."""
         runners = self._runners(homes)
-        clock = self.app.now()
+        clock = self.store.now()
         decisions = []
         for index, request, attempt in pending:
             decision = _Decision(index, request, attempt=attempt)
@@ -180,7 +180,7 @@ class PlacementBatch:
 
     def _sandboxes(self, sandbox_ids: set[str]) -> dict[str, Sandbox | None]:
         # not cached: each is placed once, and a cached copy would be stale at the commit
-        loaded = load_many(self.app, [sandbox_uuid(s) for s in sandbox_ids], cache_new=False)
+        loaded = self.store.load_many([sandbox_uuid(s) for s in sandbox_ids], cache_new=False)
         found = {s: loaded.get(sandbox_uuid(s)) for s in sandbox_ids}
         return {
             s: sandbox if isinstance(sandbox, Sandbox) else None for s, sandbox in found.items()
@@ -190,8 +190,8 @@ class PlacementBatch:
         self, runner_ids: set[str]
     ) -> dict[str, tuple[Runner, RunnerLease] | SchedulerError]:
         """Each home runner with its lease (copies to command), or why it is unavailable."""
-        loaded = load_many(
-            self.app, [stream for r in runner_ids for stream in (runner_uuid(r), lease_uuid(r))]
+        loaded = self.store.load_many(
+            [stream for r in runner_ids for stream in (runner_uuid(r), lease_uuid(r))]
         )
         found: dict[str, tuple[Runner, RunnerLease] | SchedulerError] = {}
         for runner_id in runner_ids:
@@ -210,55 +210,33 @@ class PlacementBatch:
         self,
         decision: _Decision,
         sandbox: Sandbox | None,
-        runners: dict[str, tuple[Runner, RunnerLease] | SchedulerError],
+        runners: dict[str, HomeRunner | SchedulerError],
         clock: Any,
     ) -> Outcome | None:
-        """The request's answer (None: a stale read, to decide again after a reload)."""
-        request = decision.request
-        if sandbox is None:
-            raise ProfileRevisionMismatchError(f"sandbox {request.sandbox_id!r} does not exist")
-        sandbox.check_pinned(request)
-        decision.generation = sandbox.generation
-        existing = sandbox.assignment()
-        if existing is not None:
-            return to_durable_assignment(existing), False
-        home = sandbox.home_runner_id
-        decision.read.add(runner_uuid(home))
-        loaded = runners[home]
-        if isinstance(loaded, SchedulerError):
-            raise loaded
-        runner, lease = loaded
-        if runner.holds(request.sandbox_id, sandbox.generation):
-            decision.stale = True  # a rival's fence: the sandbox read missed it
-            return None
-        try:
-            record, token = sandbox.fence(
-                request,
-                runner.snapshot(lease),
-                runner_version=runner.version,
-                lease_version=lease.version,
-                attempt=decision.attempt,
-                clock=clock,
-            )
-        except PlacementError as error:  # the rules refused: evidence worth recording
-            decision.refusal = error  # unless its token is reused (_refuse_used_tokens)
-            raise
-        assert request.now is not None
-        runner.reserve(
-            assignment_id=request.assignment_id,
-            sandbox_id=request.sandbox_id,
-            generation=sandbox.generation,
-            capacity=request.requirements.capacity,
-            at=request.now,
+        """The request's answer, decided by the domain (None: a stale read, to decide
+        again after a reload). Records what it read and what it would write."""
+
+        def home_runner(runner_id: str) -> HomeRunner | SchedulerError:
+            decision.read.add(runner_uuid(runner_id))
+            return runners[runner_id]
+
+        if sandbox is not None:
+            decision.generation = sandbox.generation
+        decided = decide_placement(
+            decision.request, sandbox, home_runner, attempt=decision.attempt, clock=clock
         )
-        decision.events = [
-            *sandbox.collect_events(),
-            *runner.collect_events(),
-            *token.collect_events(),
-        ]
-        decision.token = token
-        decision.aggregates = [sandbox, runner, token]
-        return to_durable_assignment(record), True
+        if isinstance(decided, Replayed):
+            return decided.assignment, False
+        if isinstance(decided, Refused):  # evidence worth recording, unless its token is
+            decision.refusal = decided.error  # reused (_refuse_used_tokens)
+            return decided.error
+        if isinstance(decided, Placed):
+            decision.events = [e for a in decided.aggregates for e in a.collect_events()]
+            decision.token = decided.token
+            decision.aggregates = list(decided.aggregates)
+            return decided.assignment, True
+        decision.stale = True  # a rival's fence: the sandbox read missed it
+        return None
 
     # -- committing -------------------------------------------------------------
 
@@ -277,7 +255,7 @@ class PlacementBatch:
             unsafe = {id(a) for d in decisions if d.index not in saving for a in d.aggregates}
             aggregates = [a for d in placing for a in d.aggregates if id(a) not in unsafe]
             try:
-                self.app.save_in_order([e for d in placing for e in d.events], aggregates)
+                self.store.save_in_order([e for d in placing for e in d.events], aggregates)
                 self._cache_runners(aggregates)
                 return retry
             except IntegrityError:
@@ -296,11 +274,8 @@ class PlacementBatch:
         only what other replicas wrote since, not this commit's events back. Only
         committed states: an aggregate a retried request also changed is not among
         ``committed``; the cache's copy is never commanded (loads return copies)."""
-        cache = self.app.repository.cache
-        if cache is None:
-            return
-        for aggregate in {id(a): a for a in committed if isinstance(a, Runner)}.values():
-            cache.put(aggregate.id, aggregate)
+        runners = {id(a): a for a in committed if isinstance(a, Runner)}
+        self.store.cache_committed(list(runners.values()))
 
     def _refuse_used_tokens(self, decisions: list[_Decision]) -> None:
         """The placement refusals whose token an earlier generation used: those requests
@@ -317,7 +292,7 @@ class PlacementBatch:
             )
             for d in refused
         }
-        used = load_many(self.app, list(set(streams.values())), cache_new=False)
+        used = self.store.load_many(list(set(streams.values())), cache_new=False)
         for decision in refused:
             earlier = used.get(streams[decision.index])
             # an earlier generation's: a later one's (another replica, since this
@@ -333,8 +308,8 @@ class PlacementBatch:
         token = decision.token
         if token is None or token.id not in changed:
             return False
-        earlier = self.app._load(token.id, FencingTokenUse, copy=False)
-        if earlier is None or earlier.generation == decision.generation:
+        earlier = self.store.load_stored(token.id)
+        if not isinstance(earlier, FencingTokenUse) or earlier.generation == decision.generation:
             return False
         decision.outcome = InvalidRequestError("fencing_token", TOKEN_REUSED)
         decision.events = []
@@ -350,13 +325,13 @@ class PlacementBatch:
                 expected[event.originator_id] = min(
                     expected.get(event.originator_id, version), version
                 )
-        stored = self.app.stream_versions(list(expected))
+        stored = self.store.stream_versions(list(expected))
         return {stream for stream, version in expected.items() if stored.get(stream, 0) != version}
 
     def _account(self, decision: _Decision) -> None:
         outcome = decision.outcome
         if isinstance(outcome, tuple):
-            self.app.metrics.add("placements" if outcome[1] else "replays")
+            self.store.metrics.add("placements" if outcome[1] else "replays")
 
 
 def _refusal(decision: _Decision) -> Refusal | None:

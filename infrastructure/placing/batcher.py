@@ -26,12 +26,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from secondbox_scheduler.domain.values import DurableAssignment, ScheduleRequest
-
-if TYPE_CHECKING:
-    from secondbox_scheduler.infrastructure.placing.batch import Outcome
+from secondbox_scheduler.infrastructure.placing.port import Outcome
 
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_BATCH_WAIT = 0.0

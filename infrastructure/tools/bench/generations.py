@@ -25,6 +25,7 @@ from typing import Any
 from secondbox_scheduler.domain.fencing_tokens import token_sha256
 from secondbox_scheduler.domain.ids import fencing_token_uuid, sandbox_uuid
 from secondbox_scheduler.domain.lease import RunnerLease
+from secondbox_scheduler.domain.placement.deciding import Placed, decide_placement
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.domain.values import (
@@ -98,15 +99,9 @@ def build_generations(app: SchedulerApplication, stamp: str, generations: int) -
             fencing_token=number.to_bytes(32, "big"), claim_expires_at=at, operation_deadline=at,
             heartbeat_timeout=TIMEOUT, now=at, effect_started_at=at, plan_ready_at=at,
         )  # fmt: skip
-        _, token_use = sandbox.fence(
-            request, runner.snapshot(lease), runner_version=runner.version,
-            lease_version=lease.version, attempt=0, clock=at,
-        )  # fmt: skip
-        runner.reserve(
-            assignment_id=f"a{number}", sandbox_id=sandbox_id, generation=sandbox.generation,
-            capacity=ONE, at=at,
-        )  # fmt: skip
-        app.save(sandbox, runner, token_use)
+        placed = decide_placement(request, sandbox, lambda _: (runner, lease), attempt=0, clock=at)
+        assert isinstance(placed, Placed), placed
+        app.save(*placed.aggregates)
         fence = request.fencing_token
         sandbox.release(sandbox.generation, fence, {"exit": "0"}, at)
         runner.release(

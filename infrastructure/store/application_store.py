@@ -1,0 +1,240 @@
+"""The eventsourcing ``Application`` wired to the scheduler's store.
+
+The service (``infrastructure/application.py``) is built on this base: it opens the
+store named by the settings (a typed error at once when it cannot be reached; on
+PostgreSQL, tables created under a lock that replicas starting together take in turn),
+encodes events with orjson, chains the stored events and seals the snapshots
+(:mod:`.event_chain`), and saves a batch's events in one transaction in their order with
+the snapshots due. It knows no command and no aggregate rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
+from uuid import UUID
+
+from eventsourcing.application import AggregateNotFoundError, Application, ProcessingEvent
+from eventsourcing.domain import Snapshot
+from eventsourcing.persistence import ApplicationRecorder, EventStore, Mapper
+from eventsourcing.postgres import PostgresDatastore
+from eventsourcing.sqlite import SQLiteDatastore
+from eventsourcing.utils import EnvType, strtobool
+
+from secondbox_scheduler.domain.audit.chain import Chain
+from secondbox_scheduler.infrastructure.settings import (
+    APPLICATION_RECORDER_TOPIC,
+    AUDIT_KEY,
+    CHAIN,
+    CHAINED_RECORDERS,
+    DATABASE_URL,
+    POSTGRES_MODULE,
+    POSTGRES_SETTINGS,
+    SQLITE_MODULE,
+    settings_from_url,
+)
+from secondbox_scheduler.infrastructure.store.encoding import EventMapper
+from secondbox_scheduler.infrastructure.store.event_chain import (
+    ChainedPostgresRecorder,
+    ChainedRecorder,
+    SealedPostgresSnapshots,
+    SealedSnapshots,
+    SealedSQLiteSnapshots,
+)
+from secondbox_scheduler.infrastructure.store.fast_forward import load_many
+from secondbox_scheduler.infrastructure.store.probe import probe_store
+from secondbox_scheduler.infrastructure.store.startup import (
+    check_sqlite,
+    connect_postgres,
+    postgres_schema_lock,
+)
+from secondbox_scheduler.projections.event_log import count_events, last_versions
+
+A = TypeVar("A")
+
+
+class StoredApplication(Application[UUID]):
+    """An eventsourcing application on the scheduler's store (no commands)."""
+
+    _may_create = True
+
+    def probe_store(self) -> None:
+        """StoreUnavailableError unless the store answers now (one connection, no retries)."""
+        probe_store(self.env)
+
+    @contextmanager
+    def _opening(self, planned: Any) -> Iterator[None]:
+        """Open the store named by the settings: a typed error at once when it cannot be
+        reached (:mod:`.store_startup`); on PostgreSQL, tables created under a lock that
+        replicas starting together take in turn."""
+        module = planned.get("PERSISTENCE_MODULE", "")
+        if module == POSTGRES_MODULE:
+            settings = {key: planned.get(key) or "" for key in POSTGRES_SETTINGS}
+            if strtobool(planned.get("CREATE_TABLE") or "y"):
+                with postgres_schema_lock(settings) as may_create:
+                    # a role without CREATE on the schema (the append-only application
+                    # role, docs/operations.md) opens the tables its owner created
+                    self._may_create = may_create
+                    yield
+                return
+            connect_postgres(settings).close()
+        elif module == SQLITE_MODULE:
+            check_sqlite(planned.get("SQLITE_DBNAME") or "")
+        yield
+
+    def construct_env(self, name: str, env: EnvType | None = None) -> Any:
+        environment = super().construct_env(name, env)
+        url = environment.get(DATABASE_URL)
+        if url:
+            environment.update(settings_from_url(url))
+        module = environment.get("PERSISTENCE_MODULE") or ""
+        chained = (environment.get(CHAIN) or "on").lower() != "off"
+        if (
+            chained
+            and module in CHAINED_RECORDERS
+            and not environment.get(APPLICATION_RECORDER_TOPIC)
+        ):
+            environment[APPLICATION_RECORDER_TOPIC] = CHAINED_RECORDERS[module]
+        if not getattr(self, "_may_create", True):
+            environment["CREATE_TABLE"] = "n"
+        return environment
+
+    @property
+    def chain(self) -> Chain:
+        """The chain of the stored events (keyed with ``SECONDBOX_AUDIT_KEY`` if set)."""
+        key = self.env.get(AUDIT_KEY) or ""
+        return Chain(key.encode() or None)
+
+    def construct_mapper(self) -> Mapper[UUID]:
+        """The domain's events encoded with orjson (:mod:`.event_encoding`), unless the
+        environment names another mapper (``MAPPER_TOPIC``)."""
+        mapper_class = None if self.env.get(self.factory.MAPPER_TOPIC) else EventMapper
+        return self.factory.mapper(
+            transcoder=self.construct_transcoder(), mapper_class=mapper_class
+        )
+
+    def construct_recorder(self) -> ApplicationRecorder:
+        recorder = super().construct_recorder()
+        if isinstance(recorder, ChainedRecorder):
+            recorder.configure(self.chain)
+        return recorder
+
+    def construct_snapshot_store(self) -> EventStore[UUID]:
+        """Snapshots sealed by the chain (:mod:`.event_chain`) when the events are chained."""
+        store = super().construct_snapshot_store()
+        recorder = self.recorder
+        if not isinstance(recorder, ChainedRecorder):
+            return store
+        name = store.recorder.events_table_name  # type: ignore[attr-defined]
+        create = strtobool(self.env.get("CREATE_TABLE") or "y")
+        datastore = getattr(self.factory, "datastore", None)
+        sealed: SealedSnapshots
+        if isinstance(datastore, SQLiteDatastore):
+            sealed = SealedSQLiteSnapshots(datastore, events_table_name=name)
+        elif isinstance(datastore, PostgresDatastore):
+            sealed = SealedPostgresSnapshots(datastore, events_table_name=name)
+        else:  # pragma: no cover - chained recorders exist for these two stores only
+            return store
+        sealed.configure(self.chain, recorder.events_table_name)  # before its tables
+        if create:
+            sealed.create_table()
+        return EventStore(mapper=self.mapper, recorder=sealed)
+
+    # -- loading ---------------------------------------------------------------
+
+    def load(self, aggregate_id: UUID, kind: type[A], *, copy: bool = True) -> A | None:
+        """The aggregate, or None. ``copy=False`` returns the cached instance itself:
+        only for reading a few scalar fields, never for commands."""
+        try:
+            aggregate: object = self.repository.get(aggregate_id, deepcopy_from_cache=copy)
+        except AggregateNotFoundError:
+            return None
+        assert isinstance(aggregate, kind)
+        return aggregate
+
+    def load_stored(self, aggregate_id: UUID) -> Any | None:
+        """The aggregate as stored now (the cached instance: read, never command)."""
+        try:
+            return self.repository.get(aggregate_id, deepcopy_from_cache=False)
+        except AggregateNotFoundError:
+            return None
+
+    def load_many(
+        self, aggregate_ids: Sequence[UUID], *, cache_new: bool = True
+    ) -> dict[UUID, Any]:
+        """Up-to-date copies of many aggregates in two queries (:mod:`.fast_forward`)."""
+        return load_many(self, aggregate_ids, cache_new=cache_new)
+
+    def cache_committed(self, aggregates: Sequence[Any]) -> None:
+        """Committed aggregates replace their cached copies (the library caches nothing
+        on a save when it fast-forwards)."""
+        cache = self.repository.cache
+        if cache is None:
+            return
+        for aggregate in aggregates:
+            cache.put(aggregate.id, aggregate)
+
+    # -- saving ----------------------------------------------------------------
+
+    def save_in_order(self, events: Sequence[Any], aggregates: Sequence[Any] = ()) -> None:
+        """Save ``events`` in one transaction in exactly this order (a batch keeps each
+        placement's events together, as a single placement writes them); snapshots of
+        ``aggregates`` as a save of them would take."""
+        processing_event: ProcessingEvent[UUID] = ProcessingEvent()
+        processing_event.events = list(events)
+        processing_event.aggregates = {aggregate.id: aggregate for aggregate in aggregates}
+        taken = self._snapshots_due(processing_event)
+        events_recorder, snapshots = self.recorder, self.snapshots
+        if (
+            taken
+            and snapshots is not None
+            and isinstance(events_recorder, ChainedPostgresRecorder)
+            and isinstance(snapshots.recorder, SealedPostgresSnapshots)
+            and snapshots.recorder.datastore is events_recorder.datastore
+        ):  # one transaction, one commit, for the events and the snapshots taken at them
+            stored = [snapshots.mapper.to_stored_event(snapshot) for snapshot in taken]
+            processing_event.saved_kwargs["snapshots"] = snapshots.recorder.within(stored)
+            taken = []
+        recordings = self._record(processing_event)
+        if taken and snapshots is not None:
+            snapshots.put(taken)
+        self._notify(recordings)
+
+    def _take_snapshots(self, processing_event: ProcessingEvent[UUID]) -> None:
+        """Snapshot each saved aggregate whose new events passed a multiple of its
+        interval, from the aggregate in memory (the library reads it back from the store
+        for every such event; a batch passes several on a busy runner)."""
+        taken = self._snapshots_due(processing_event)
+        if taken and self.snapshots is not None:  # one transaction for all of them
+            self.snapshots.put(taken)
+
+    def _snapshots_due(self, processing_event: ProcessingEvent[UUID]) -> list[Any]:
+        """The snapshots of the aggregates of ``processing_event`` whose new events pass
+        a multiple of their snapshotting interval, taken from the aggregates in memory."""
+        if self.snapshots is None:
+            return []
+        versions: dict[UUID, list[int]] = {}
+        for event in processing_event.events:
+            versions.setdefault(event.originator_id, []).append(event.originator_version)
+        taken = []
+        for aggregate_id, aggregate in processing_event.aggregates.items():
+            interval = self.snapshotting_intervals.get(type(aggregate))
+            written = versions.get(aggregate_id, ())
+            if interval and any(version % interval == 0 for version in written):
+                assert aggregate.version == max(written)
+                snapshot_class = getattr(type(aggregate), "Snapshot", Snapshot)
+                taken.append(snapshot_class.take(aggregate))
+        return taken
+
+    def stream_versions(self, stream_ids: Sequence[UUID]) -> dict[UUID, int]:
+        """The last stored version of each stream (absent: no such stream)."""
+        return last_versions(self.recorder, stream_ids)
+
+    def event_count(self) -> int:
+        """How many events the store holds (all aggregates of this application)."""
+        return count_events(self.recorder)
+
+    def head_position(self) -> int:
+        """The notification log's head position (may exceed the count on PostgreSQL)."""
+        return self.recorder.max_notification_id() or 0
