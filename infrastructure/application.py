@@ -92,16 +92,14 @@ from secondbox_scheduler.infrastructure.settings import (
     clock_tolerance,
     settings_from_url,
 )
+from secondbox_scheduler.infrastructure.store.chain_tables import ChainedRecorder
+from secondbox_scheduler.infrastructure.store.chained_postgres import ChainedPostgresRecorder
 from secondbox_scheduler.infrastructure.store.encoding import EventMapper
-from secondbox_scheduler.infrastructure.store.event_chain import (
-    ChainedPostgresRecorder,
-    ChainedRecorder,
-    SealedPostgresSnapshots,
-    SealedSnapshots,
-    SealedSQLiteSnapshots,
-)
 from secondbox_scheduler.infrastructure.store.fast_forward import load_many
 from secondbox_scheduler.infrastructure.store.probe import probe_store
+from secondbox_scheduler.infrastructure.store.sealed_postgres import SealedPostgresSnapshots
+from secondbox_scheduler.infrastructure.store.sealed_snapshots import SealedSnapshots
+from secondbox_scheduler.infrastructure.store.sealed_sqlite import SealedSQLiteSnapshots
 from secondbox_scheduler.infrastructure.store.startup import (
     DEFAULT_CONNECT_TIMEOUT_SECONDS,
     check_sqlite,
@@ -358,7 +356,7 @@ class SchedulerApplication(Application[UUID]):
         return recorder
 
     def construct_snapshot_store(self) -> EventStore[UUID]:
-        """Snapshots sealed by the chain (:mod:`.event_chain`) when the events are chained."""
+        """Snapshots sealed by the chain (:mod:`.sealed_snapshots`) when the events are chained."""
         store = super().construct_snapshot_store()
         recorder = self.recorder
         if not isinstance(recorder, ChainedRecorder):
