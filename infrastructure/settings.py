@@ -38,9 +38,9 @@ AUDIT_KEY = "SECONDBOX_AUDIT_KEY"
 CHAIN = "SECONDBOX_CHAIN"
 APPLICATION_RECORDER_TOPIC = "APPLICATION_RECORDER_TOPIC"
 CHAINED_RECORDERS = {
-    "eventsourcing.sqlite": "secondbox_scheduler.infrastructure.store.event_chain"
+    "eventsourcing.sqlite": "secondbox_scheduler.infrastructure.store.chained_sqlite"
     ":ChainedSQLiteRecorder",
-    "eventsourcing.postgres": "secondbox_scheduler.infrastructure.store.event_chain"
+    "eventsourcing.postgres": "secondbox_scheduler.infrastructure.store.chained_postgres"
     ":ChainedPostgresRecorder",
 }
 

@@ -35,11 +35,9 @@ from secondbox_scheduler.infrastructure.audit.replay import verify
 from secondbox_scheduler.infrastructure.placing import batcher as batcher_module
 from secondbox_scheduler.infrastructure.placing.batcher import PlacementBatcher
 from secondbox_scheduler.infrastructure.settings import AUDIT_KEY
-from secondbox_scheduler.infrastructure.store.event_chain import (
-    ChainedPostgresRecorder,
-    SealedPostgresSnapshots,
-    seal_table,
-)
+from secondbox_scheduler.infrastructure.store.chain_tables import seal_table
+from secondbox_scheduler.infrastructure.store.chained_postgres import ChainedPostgresRecorder
+from secondbox_scheduler.infrastructure.store.sealed_postgres import SealedPostgresSnapshots
 from tests.conftest import Clock, PostgresSchema, Store
 from tests.factories import (
     capacity,

@@ -17,7 +17,7 @@ import pytest
 from secondbox_scheduler.domain import InvalidRequestError, ScheduleRequest
 from secondbox_scheduler.domain.ids import runner_uuid, sandbox_uuid
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.store.event_chain import SealedSnapshots
+from secondbox_scheduler.infrastructure.store.sealed_snapshots import SealedSnapshots
 from tests.conftest import Clock, Store
 from tests.factories import (
     RUNTIME,

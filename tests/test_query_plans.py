@@ -24,12 +24,10 @@ import pytest
 from psycopg.sql import SQL, Composed, Identifier
 
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
-from secondbox_scheduler.infrastructure.store.event_chain import (
-    SealedPostgresSnapshots,
-    chain_digests_statement,
-    chain_table,
-)
+from secondbox_scheduler.infrastructure.store.chain_tables import chain_table
 from secondbox_scheduler.infrastructure.store.fast_forward import select_after_statement
+from secondbox_scheduler.infrastructure.store.postgres_chain_sql import chain_digests_statement
+from secondbox_scheduler.infrastructure.store.sealed_postgres import SealedPostgresSnapshots
 from secondbox_scheduler.projections.event_log import last_versions_statement
 from tests.conftest import PostgresSchema
 

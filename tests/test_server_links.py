@@ -1,6 +1,6 @@
 """PostgreSQL links an unkeyed chain in the server (``<events>_append``): the same links
 the client makes, the same all-or-nothing save, and the client's way back when the
-schema has no such function (infrastructure/store/event_chain.py)."""
+schema has no such function (infrastructure/store/chained_postgres.py)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,10 @@ from secondbox_scheduler.domain.audit.chain import Chain, ChainedEvent
 from secondbox_scheduler.domain.ids import runner_uuid
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit.replay import verify
-from secondbox_scheduler.infrastructure.store.event_chain import (
-    ChainedPostgresRecorder,
-    SealedPostgresSnapshots,
-    chain_head,
-    seal_table,
-    select_links,
-)
+from secondbox_scheduler.infrastructure.store.chain_reads import chain_head, select_links
+from secondbox_scheduler.infrastructure.store.chain_tables import seal_table
+from secondbox_scheduler.infrastructure.store.chained_postgres import ChainedPostgresRecorder
+from secondbox_scheduler.infrastructure.store.sealed_postgres import SealedPostgresSnapshots
 from secondbox_scheduler.infrastructure.store.server_append import (
     append_function,
     append_with_snapshots_function,

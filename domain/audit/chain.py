@@ -7,7 +7,8 @@ Every stored event is covered by one link of a chain over the notification log::
 where ``p`` is the position of the previous link (0 and 32 zero bytes for the first
 link: the genesis), every field is length-prefixed, and ``H`` is SHA-256, or
 HMAC-SHA-256 keyed with the audit key when there is one (``SECONDBOX_AUDIT_KEY``). A
-link is stored next to the events, in the same transaction (infrastructure/event_chain).
+link is stored next to the events, in the same transaction
+(infrastructure/store/chained_sqlite.py, chained_postgres.py).
 
 :class:`ChainVerifier` is fed the log in order, position by position, each position
 with its stored event and its stored link (either may be missing), and names the first

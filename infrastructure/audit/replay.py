@@ -34,13 +34,13 @@ from secondbox_scheduler.domain.placement.evidence import (
 )
 from secondbox_scheduler.domain.values import DurableAssignment, RunnerSnapshot, require_text
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
-from secondbox_scheduler.infrastructure.store.event_chain import (
-    ChainedRecorder,
-    SealedSnapshots,
+from secondbox_scheduler.infrastructure.store.chain_reads import (
     chain_head,
     select_links,
     stored_snapshots,
 )
+from secondbox_scheduler.infrastructure.store.chain_tables import ChainedRecorder
+from secondbox_scheduler.infrastructure.store.sealed_snapshots import SealedSnapshots
 from secondbox_scheduler.projections.event_decoder import EventDecoder
 from secondbox_scheduler.projections.notification_reader import gc_paused, read_pages
 from secondbox_scheduler.projections.read_models import RebuildReport, read_raw

@@ -3,9 +3,9 @@
 The service (``infrastructure/application.py``) is built on this base: it opens the
 store named by the settings (a typed error at once when it cannot be reached; on
 PostgreSQL, tables created under a lock that replicas starting together take in turn),
-encodes events with orjson, chains the stored events and seals the snapshots
-(:mod:`.event_chain`), and saves a batch's events in one transaction in their order with
-the snapshots due. It knows no command and no aggregate rule.
+encodes events with orjson, chains the stored events and seals the snapshots (the
+``chained_*`` and ``sealed_*`` modules), and saves a batch's events in one transaction
+in their order with the snapshots due. It knows no command and no aggregate rule.
 """
 
 from __future__ import annotations
@@ -34,16 +34,14 @@ from secondbox_scheduler.infrastructure.settings import (
     SQLITE_MODULE,
     settings_from_url,
 )
+from secondbox_scheduler.infrastructure.store.chain_tables import ChainedRecorder
+from secondbox_scheduler.infrastructure.store.chained_postgres import ChainedPostgresRecorder
 from secondbox_scheduler.infrastructure.store.encoding import EventMapper
-from secondbox_scheduler.infrastructure.store.event_chain import (
-    ChainedPostgresRecorder,
-    ChainedRecorder,
-    SealedPostgresSnapshots,
-    SealedSnapshots,
-    SealedSQLiteSnapshots,
-)
 from secondbox_scheduler.infrastructure.store.fast_forward import load_many
 from secondbox_scheduler.infrastructure.store.probe import probe_store
+from secondbox_scheduler.infrastructure.store.sealed_postgres import SealedPostgresSnapshots
+from secondbox_scheduler.infrastructure.store.sealed_snapshots import SealedSnapshots
+from secondbox_scheduler.infrastructure.store.sealed_sqlite import SealedSQLiteSnapshots
 from secondbox_scheduler.infrastructure.store.startup import (
     check_sqlite,
     connect_postgres,
@@ -121,7 +119,7 @@ class StoredApplication(Application[UUID]):
         return recorder
 
     def construct_snapshot_store(self) -> EventStore[UUID]:
-        """Snapshots sealed by the chain (:mod:`.event_chain`) when the events are chained."""
+        """Snapshots sealed by the chain (``sealed_*`` modules) when the events are chained."""
         store = super().construct_snapshot_store()
         recorder = self.recorder
         if not isinstance(recorder, ChainedRecorder):

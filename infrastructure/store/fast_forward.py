@@ -27,7 +27,7 @@ from eventsourcing.sqlite import SQLiteAggregateRecorder
 from psycopg.rows import tuple_row
 from psycopg.sql import SQL, Composed, Identifier
 
-from secondbox_scheduler.infrastructure.store.event_chain import SealedSnapshots
+from secondbox_scheduler.infrastructure.store.sealed_snapshots import SealedSnapshots
 from secondbox_scheduler.projections.event_log import rendered
 
 

@@ -1,6 +1,7 @@
 """The saves that PostgreSQL makes in one statement for an unkeyed chain (plpgsql
-functions created with the tables; :mod:`.event_chain` calls them, and links or seals in
-the client where they are absent, forbidden or the chain is keyed).
+functions created with the tables by :mod:`.chained_postgres` and :mod:`.sealed_postgres`;
+:mod:`.chained_postgres` calls them, and links or seals in the client where they are
+absent, forbidden or the chain is keyed).
 
 ``<events>_append(ids, versions, topics, states, lock_timeout)`` takes the events
 table's lock, inserts the events, links them and notifies. ``<events>_append_with_

@@ -1,0 +1,111 @@
+"""Reading the chain and the sealed snapshots back as stored, for the audit
+(infrastructure/audit/replay.py): the head of the chain, its links, every snapshot with
+its seal and digest."""
+
+from __future__ import annotations
+
+from typing import Any
+from uuid import UUID
+
+from eventsourcing.persistence import StoredEvent
+from psycopg.rows import tuple_row
+from psycopg.sql import SQL, Identifier
+
+from secondbox_scheduler.domain.audit.chain import Link
+from secondbox_scheduler.infrastructure.store.chain_tables import as_link, chain_table, seal_table
+from secondbox_scheduler.infrastructure.store.chained_postgres import ChainedPostgresRecorder
+from secondbox_scheduler.infrastructure.store.chained_sqlite import ChainedSQLiteRecorder
+from secondbox_scheduler.infrastructure.store.sealed_postgres import SealedPostgresSnapshots
+from secondbox_scheduler.infrastructure.store.sealed_sqlite import SealedSQLiteSnapshots
+
+
+def chain_head(recorder: object) -> Link | None:
+    """The last link of the chain (None: no link, or the recorder does not chain)."""
+    if isinstance(recorder, ChainedSQLiteRecorder):
+        with recorder.datastore.transaction(commit=False) as c:
+            c.execute(recorder.select_head_statement)
+            return as_link(c.fetchone())
+    if isinstance(recorder, ChainedPostgresRecorder):
+        with (
+            recorder.datastore.get_connection() as conn,
+            conn.cursor(row_factory=tuple_row) as curs,
+        ):
+            curs.execute(recorder.select_head_statement)
+            return as_link(curs.fetchone())
+    return None
+
+
+def select_links(recorder: object, after: int, upto: int | None) -> list[Link]:
+    """The links after position ``after`` up to ``upto`` (inclusive; None: all), in order."""
+    if isinstance(recorder, ChainedSQLiteRecorder):
+        statement = (
+            f"SELECT position, previous, digest FROM {recorder.chain_table_name} "
+            "WHERE position > ? " + ("AND position <= ? " if upto is not None else "")
+        ) + "ORDER BY position"
+        with recorder.datastore.transaction(commit=False) as c:
+            c.execute(statement, (after,) if upto is None else (after, upto))
+            return [Link(r[0], r[1], bytes(r[2])) for r in c.fetchall()]
+    if isinstance(recorder, ChainedPostgresRecorder):
+        query = SQL("SELECT position, previous, digest FROM {}.{} WHERE position > %s").format(
+            Identifier(recorder.datastore.schema), Identifier(recorder.chain_table_name)
+        )
+        if upto is not None:
+            query += SQL(" AND position <= %s")
+        query += SQL(" ORDER BY position")
+        with (
+            recorder.datastore.get_connection() as conn,
+            conn.cursor(row_factory=tuple_row, binary=True) as curs,
+        ):
+            curs.execute(query, (after,) if upto is None else (after, upto))
+            return [Link(r[0], r[1], bytes(r[2])) for r in curs.fetchall()]
+    return []
+
+
+def stored_snapshots(
+    recorder: object,
+) -> list[tuple[StoredEvent, bytes | None, bytes | None, int | None]]:
+    """Every stored snapshot, raw: (snapshot, its seal, the chain digest at its version,
+    the position of the event at its version); None where there is none."""
+    rows: list[Any]
+    if isinstance(recorder, SealedSQLiteSnapshots):
+        events, chain = recorder.chained_events_table, chain_table(recorder.chained_events_table)
+        with recorder.datastore.transaction(commit=False) as c:
+            c.execute(
+                "SELECT s.originator_id, s.originator_version, s.topic, s.state, g.seal, "
+                f"c.digest, e.rowid FROM {recorder.events_table_name} s "
+                f"LEFT JOIN {seal_table(recorder.events_table_name)} g "
+                "ON g.originator_id = s.originator_id "
+                "AND g.originator_version = s.originator_version "
+                f"LEFT JOIN {events} e ON e.originator_id = s.originator_id "
+                "AND e.originator_version = s.originator_version "
+                f"LEFT JOIN {chain} c ON c.position = e.rowid "
+                "ORDER BY s.originator_id, s.originator_version"
+            )
+            rows = [(UUID(r[0]), *r[1:]) for r in c.fetchall()]
+    elif isinstance(recorder, SealedPostgresSnapshots):
+        query = SQL(
+            "SELECT s.originator_id, s.originator_version, s.topic, s.state, g.seal, c.digest, "
+            "e.notification_id FROM {schema}.{snapshots} s LEFT JOIN {schema}.{seals} g "
+            "ON g.originator_id = s.originator_id AND g.originator_version = s.originator_version "
+            "LEFT JOIN {schema}.{events} e ON e.originator_id = s.originator_id "
+            "AND e.originator_version = s.originator_version "
+            "LEFT JOIN {schema}.{chain} c ON c.position = e.notification_id "
+            "ORDER BY s.originator_id, s.originator_version"
+        ).format(**recorder.table_names())
+        with (
+            recorder.datastore.get_connection() as conn,
+            conn.cursor(row_factory=tuple_row, binary=True) as curs,
+        ):
+            curs.execute(query)
+            rows = curs.fetchall()
+    else:
+        return []
+    return [
+        (
+            StoredEvent(r[0], r[1], r[2], bytes(r[3])),
+            None if r[4] is None else bytes(r[4]),
+            None if r[5] is None else bytes(r[5]),
+            r[6],
+        )
+        for r in rows
+    ]

@@ -1,0 +1,48 @@
+"""What the PostgreSQL recorders that save through a function of :mod:`.server_append`
+share (:class:`SavesInServer`): the chained recorder (:mod:`.chained_postgres`) and the
+sealed snapshots (:mod:`.sealed_postgres`)."""
+
+from __future__ import annotations
+
+from eventsourcing.persistence import ProgrammingError
+from eventsourcing.postgres import PostgresDatastore
+from psycopg.errors import InsufficientPrivilege, UndefinedFunction
+
+from secondbox_scheduler.domain.audit.chain import Chain
+from secondbox_scheduler.infrastructure.store.server_append import usable_in_server
+
+
+class SavesInServer:
+    """What the two recorders that save through a function of :mod:`.server_append`
+    share: whether they may (looked up once) and what a failed call of it means."""
+
+    chain: Chain
+    datastore: PostgresDatastore
+    append_signature: str
+    _appends_in_server: bool | None
+
+    def appends_in_server(self) -> bool:
+        """Whether a save goes through the function of ``append_signature``: an
+        unkeyed chain over UUID ids (a key never goes to the server), a UTF8 database
+        and the function present and this role's to run (:func:`usable_in_server`).
+        Looked up once; a save that finds it gone or forbidden saves without it from
+        then on."""
+        if self._appends_in_server is None:
+            self._appends_in_server = (
+                not self.chain.keyed
+                and self.datastore.originator_id_type == "uuid"
+                and usable_in_server(self.datastore, self.append_signature)
+            )
+        return self._appends_in_server
+
+    def gone_from_server(self, error: ProgrammingError) -> bool:
+        """After a call of the function failed (nothing was stored): whether the
+        function is gone or no longer this role's (then the client links or seals, for
+        this save and the next), rather than an error of the save itself. Found by
+        review: a table the role may not write fails with the same
+        ``InsufficientPrivilege``, and the server's saves stayed off after the grant was
+        mended; so the function is looked up again."""
+        if not isinstance(error.__cause__, UndefinedFunction | InsufficientPrivilege):
+            return False
+        self._appends_in_server = None
+        return not self.appends_in_server()
