@@ -47,7 +47,7 @@ def require_failure_class(failure_class: object) -> str:
 
 
 def capability_snapshot(runner: RunnerSnapshot) -> dict[str, str]:
-    """SPEC section 6 step 5: what the runner advertised when it was chosen."""
+    """docs/spec.md (section 6) step 5: what the runner advertised when it was chosen."""
     snapshot = {
         "architecture": runner.architecture,
         "pool": runner.pool_name,

@@ -1,6 +1,6 @@
 """The Runner aggregate: a host's registration, drain phase and capacity ledger.
 
-The aggregate refuses, by itself, every change that would break SPEC section 7:
+The aggregate refuses, by itself, every change that would break docs/spec.md (section 7):
 a reservation past allocatable on a checked dimension (invariant 1), a reservation
 on a draining or deregistered runner (5), a second release of one reservation or a
 release without proof (6), allocatable below what is reserved, deregistration while

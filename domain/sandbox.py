@@ -300,7 +300,7 @@ class Sandbox(Aggregate):
     # -- commands -------------------------------------------------------------
 
     def check_pinned(self, request: ScheduleRequest) -> None:
-        """SPEC section 6 step 2: same workspace, same immutable ProfileRevision."""
+        """docs/spec.md (section 6) step 2: same workspace, same immutable ProfileRevision."""
         if request.workspace_id != self.workspace_id:
             raise ProfileRevisionMismatchError(
                 f"sandbox {self.sandbox_id!r} belongs to workspace {self.workspace_id!r}, "

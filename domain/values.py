@@ -1,7 +1,7 @@
-"""Immutable value types of SPEC section 2 (frozen pydantic models).
+"""Immutable value types of docs/spec.md (section 2) (frozen pydantic models).
 
 Construction checks types and ranges and raises :class:`InvalidRequestError` naming
-the field and the rule; a request's cross-field rules (SPEC section 6, step 1) are
+the field and the rule; a request's cross-field rules (docs/spec.md (section 6), step 1) are
 checked by :meth:`ScheduleRequest.ensure_valid`, which ``schedule`` calls.
 
 ``to_record`` / ``from_record`` convert to and from the primitive shapes that events
@@ -351,7 +351,7 @@ class ScheduleRequest(Value):
     )
 
     def ensure_valid(self) -> None:
-        """SPEC section 6 step 1: raise InvalidRequestError naming the first bad field."""
+        """docs/spec.md (section 6) step 1: raise InvalidRequestError naming the first bad field."""
         for name in self.IDENTITY_FIELDS:
             require_text(name, getattr(self, name))
         requirements = self.requirements

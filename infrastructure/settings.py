@@ -22,7 +22,7 @@ LEASE_RENEWAL_SECONDS = "SECONDBOX_LEASE_RENEWAL_SECONDS"
 # "on" (default): reads catch the read models up first; "external": another process
 # (``secondbox-scheduler projections run``) maintains them; "off": read the aggregates.
 READ_MODELS = "SECONDBOX_READ_MODELS"
-# How far a caller's time may differ from the scheduler's clock (SPEC section 6a).
+# How far a caller's time may differ from the scheduler's clock (docs/spec.md (section 6a)).
 CLOCK_TOLERANCE_SECONDS = "SECONDBOX_CLOCK_TOLERANCE_SECONDS"
 # Placement batching (infrastructure/placing/batcher.py): on/off, largest batch, longest wait.
 BATCHING = "SECONDBOX_BATCHING"

@@ -1,6 +1,6 @@
 """secondbox_scheduler: the SecondBox scheduler as an event-sourced domain service.
 
-The one import name of the package (SPEC section 2). Every public name imports from
+The one import name of the package (docs/spec.md (section 2)). Every public name imports from
 here; the layers are its subpackages:
 
 - ``secondbox_scheduler.domain``: values, placement policy, aggregates, events (pure);

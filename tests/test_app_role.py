@@ -1,4 +1,4 @@
-"""The append-only application role on PostgreSQL (issue 13): the scheduler works under
+"""The append-only application role on PostgreSQL: the scheduler works under
 a role that may only INSERT and SELECT its events, and the server itself refuses that
 role's UPDATE, DELETE and TRUNCATE of the events and of their chain."""
 

@@ -1,4 +1,4 @@
-"""SPEC section 6a: the application's clock is the authority on time.
+"""docs/spec.md (section 6a): the application's clock is the authority on time.
 
 A heartbeat from the future cannot keep a silent runner fresh, and a caller-chosen
 ``ScheduleRequest.now`` cannot get past the staleness rule: times outside the clock

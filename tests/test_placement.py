@@ -1,4 +1,4 @@
-"""Placement policy of SPEC section 3: compatibility rules, ranking, refusals.
+"""Placement policy of docs/spec.md (section 3): compatibility rules, ranking, refusals.
 
 Pure: no database, no clock. Every test starts from a fully compatible baseline
 runner and requirements and breaks exactly one thing.

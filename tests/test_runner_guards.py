@@ -1,5 +1,5 @@
 """The Runner aggregate's own guards, with nothing in front of it (no placement rule, no
-application): every refusal of SPEC section 4 and the invariants it keeps (section 7:
+application): every refusal of docs/spec.md (section 4) and the invariants it keeps (section 7:
 1 reserved <= allocatable, 2 reserved = sum of reservations, 5 nothing on a draining or
 deregistered runner, 6 one release, only with proof). A refused command raises its
 typed error and records nothing: same version, no pending event."""

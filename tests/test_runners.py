@@ -1,4 +1,4 @@
-"""Runner-side commands of SPEC section 5 on SQLite and PostgreSQL, refusals included."""
+"""Runner-side commands of docs/spec.md (section 5) on SQLite and PostgreSQL, refusals included."""
 
 from __future__ import annotations
 

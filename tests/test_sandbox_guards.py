@@ -1,6 +1,6 @@
 """The Sandbox aggregate's own guards, with nothing in front of it (no application):
 the pinned profile, one fenced assignment per generation on a compatible home runner
-(SPEC section 7, invariants 3 and 4), fences on every runner-facing command, the
+(docs/spec.md (section 7), invariants 3 and 4), fences on every runner-facing command, the
 assignment's transitions, release proof (6) and reconcile claims. A refused command
 raises its typed error and records nothing: same version, no pending event.
 

@@ -1,4 +1,4 @@
-"""create_sandbox and schedule (SPEC sections 5 and 6) on SQLite and PostgreSQL."""
+"""create_sandbox and schedule (docs/spec.md (sections 5 and 6)) on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tampering with a stored history is detected (issue 13): the hash chain over the log,
+"""Tampering with a stored history is detected: the hash chain over the log,
 sealed snapshots, and checkpoints.
 
 A small simulated history is written once per session (SQLite, chained as the

@@ -2,7 +2,7 @@
 
 Pure: it is fed decoded events with their notification positions, in log order, and
 keeps its own plain state (no aggregate, no cache, no projection). After every event
-it checks the invariants of SPEC section 7 that the event could break:
+it checks the invariants of docs/spec.md (section 7) that the event could break:
 
 1. reserved <= allocatable on every checked dimension;
 2. a runner's reserved capacity equals the sum over its unreleased assignments (a
@@ -439,7 +439,7 @@ class AuditFold:
         self.lease_of[event.runner_id] = event.originator_id
 
     def _heartbeat_time(self, event: Any) -> None:
-        """SPEC section 6a: a heartbeat no later than the scheduler's clock (the event's
+        """docs/spec.md (section 6a): a heartbeat no later than the scheduler's clock (the event's
         timestamp) plus the largest tolerance."""
         if event.at > event.timestamp + self.MAX_CLOCK_SKEW:
             self._violate(

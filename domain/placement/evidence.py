@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from secondbox_scheduler.domain.values import RunnerSnapshot
 
-# Reason codes of the placement rules (SPEC section 3), in the order the rules run.
+# Reason codes of the placement rules (docs/spec.md (section 3)), in the order the rules run.
 POOL = "pool"
 ARCHITECTURE = "architecture"
 DRAINING = "draining"
@@ -45,7 +45,7 @@ REASON_CODES: tuple[str, ...] = (
     EGRESS,
 )
 
-# The ranking key of a compatible runner, smaller is better (SPEC section 3 ranking):
+# The ranking key of a compatible runner, smaller is better (docs/spec.md (section 3) ranking):
 # (-artifact locality, -free instances, -free vcpu, -free memory, runner id).
 RankKey = tuple[int, int, int, int, str]
 # How decision records name the first four parts (as the positive amounts they are).

@@ -1,6 +1,6 @@
 """Ranking policies: which compatible runner is preferred.
 
-SPEC section 3 fixes one ranking, the seed's (:class:`SeedRanking`): artifact locality,
+docs/spec.md (section 3) fixes one ranking, the seed's (:class:`SeedRanking`): artifact locality,
 then free instances, vCPU and memory (most first), then id. It is the default of
 ``select_runner`` and ``decide`` and the only one the scheduler itself decides with.
 The what-if replay (``domain/whatif/replay.py``) can replay a recorded history under another
@@ -40,13 +40,13 @@ class RankingPolicy(Protocol):
 
 
 def artifact_locality(requirements: Requirements, runner: RunnerSnapshot) -> int:
-    """How many of the runner's cached artifact digests are preferred (SPEC 3)."""
+    """How many of the runner's cached artifact digests are preferred (docs/spec.md, section 3)."""
     preferred = frozenset(requirements.preferred_artifact_digests)
     return sum(1 for digest in runner.artifact_digests if digest in preferred)
 
 
 class SeedRanking:
-    """SPEC section 3: locality, free instances, free vCPU, free memory (most first), id."""
+    """docs/spec.md (section 3): locality, free instances, vCPU, memory (most first), id."""
 
     name = "seed"
 

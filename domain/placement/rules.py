@@ -1,4 +1,4 @@
-"""Placement policy of SPEC section 3: pure functions, no I/O, no clock.
+"""Placement policy of docs/spec.md (section 3): pure functions, no I/O, no clock.
 
 A chain of small feasibility checks, each with one job and a stable reason code
 (Nomad's feasibility checkers, kube-scheduler's Filter plugins), then one ranking
@@ -253,7 +253,7 @@ def evaluate_runner(
     *,
     rules_version: int = RULES_VERSION,
 ) -> RunnerEvaluation:
-    """Every rule of SPEC section 3 that ``runner`` fails (none: compatible).
+    """Every rule of docs/spec.md (section 3) that ``runner`` fails (none: compatible).
 
     ``rules_version``: the rules a recorded decision was made by (audit replays); 1 is
     release 0.1's, where ``client-selected-image`` skipped the whole materialization
@@ -267,7 +267,7 @@ def _evaluate(ctx: _Context, runner: RunnerSnapshot) -> RunnerEvaluation:
 
 
 def rank_key(requirements: Requirements, runner: RunnerSnapshot) -> RankKey:
-    """Sort key of a compatible runner: smaller is better (SPEC section 3 ranking)."""
+    """Sort key of a compatible runner: smaller is better (docs/spec.md (section 3) ranking)."""
     preferred = frozenset(requirements.preferred_artifact_digests)
     return _rank_key(preferred, runner)
 
@@ -297,8 +297,8 @@ def decide(
 
     ``unlisted``: counts of the pool's runners not passed in (a store's prefilter); they
     are only carried as evidence, never chosen. ``policy``: another order of the
-    compatible runners (``domain/placement/ranking.py``); by default SPEC section 3's. ``ranks``
-    always holds the SPEC section 3 keys (what decision records state).
+    compatible runners (``domain/placement/ranking.py``); by default that of docs/spec.md
+    (section 3). ``ranks`` always holds the section 3 keys (what decision records state).
     """
     ctx = _context(requirements, now, heartbeat_timeout)
     evaluations = tuple(_evaluate(ctx, runner) for runner in runners)

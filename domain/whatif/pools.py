@@ -37,7 +37,7 @@ class Entry:
     runner: FleetRunner
     snapshot: RunnerSnapshot
     evaluation: RunnerEvaluation
-    rank: RankKey | None  # SPEC section 3's key, for a compatible runner
+    rank: RankKey | None  # docs/spec.md (section 3)'s key, for a compatible runner
     keys: tuple[str, ...]  # reason keys
     plain: bool  # fails a prefilter rule
     stamp: int

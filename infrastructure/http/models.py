@@ -206,11 +206,11 @@ class SandboxHome(BaseModel):
 
 
 class ScheduleBody(Body):
-    """``schedule`` (SPEC section 6): a ``ScheduleRequest`` for the sandbox of the path.
+    """``schedule`` (docs/spec.md (section 6)): a ``ScheduleRequest`` for the sandbox of the path.
 
     The times are the caller's; the scheduler's clock refuses ``now`` outside its clock
     plus or minus the tolerance, and ``effect_started_at`` or ``plan_ready_at`` later
-    than clock plus tolerance (SPEC section 6a)."""
+    than clock plus tolerance (docs/spec.md (section 6a))."""
 
     assignment_id: Name
     assignment_command_id: Name
@@ -234,7 +234,7 @@ class ScheduleBody(Body):
     plan_ready_at: UTCDatetime
 
     def to_request(self, sandbox_id: str) -> ScheduleRequest:
-        """The domain's request (validated again there: SPEC section 6 step 1)."""
+        """The domain's request (validated again there: docs/spec.md (section 6) step 1)."""
         fields = {
             name: getattr(self, name)
             for name in type(self).model_fields

@@ -109,7 +109,7 @@ def get_sandbox(sandbox_id: SandboxId, app: Scheduler) -> Response:
 )
 def schedule(sandbox_id: SandboxId, body: ScheduleBody, app: Scheduler) -> Response:
     """Serialize the sandbox's current generation and reserve capacity on its home
-    runner (SPEC section 6): 201 with the new assignment, or 200 with the existing one
+    runner (docs/spec.md (section 6)): 201 with the new assignment, or 200 with the existing one
     (``created: false``). Refused placements are 409 with the reasons; a request that
     lost every race of its ``serialization_retry_limit`` is 503."""
     assignment, created = app.schedule(body.to_request(sandbox_id))

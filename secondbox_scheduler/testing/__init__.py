@@ -6,7 +6,7 @@ Hypothesis: ``pip install 'secondbox-scheduler[testing]'``):
 - strategies (:mod:`.strategies`): :func:`runner_snapshots`, :func:`fleets`,
   :func:`requirements`, :func:`capacities`, and :func:`histories` of commands with
   :func:`run_history` to apply one to a ``SchedulerApplication``;
-- the reference model (:mod:`.model`): :class:`ReferenceModel`, the SPEC's answers
+- the reference model (:mod:`.model`): :class:`ReferenceModel`, the specification's answers
   kept deliberately simple;
 - the rule-based state machine (:mod:`.state_machine`): :class:`SchedulerMachine`
   drives a real application and the model side by side; :func:`scheduler_machine`

@@ -4,7 +4,7 @@ Per runner: an instance count (the only dimension the model's profile is tight o
 a reserved count, a drain flag, a deregistered flag and the last recorded heartbeat.
 Per sandbox: its home runner, its generation and, per generation, the assignment's
 state, token and retry count. It knows nothing of events, evidence or stores: it
-predicts outcomes from the SPEC alone, so a bug in the scheduler shows as a
+predicts outcomes from the specification alone (docs/spec.md), so a bug in the scheduler shows as a
 disagreement with it. :mod:`.state_machine` drives both side by side.
 """
 
@@ -44,7 +44,7 @@ class ModelSandbox:
 
 @dataclass
 class ReferenceModel:
-    """Runners and sandboxes as the SPEC says they must be, at the clock's time."""
+    """Runners and sandboxes as docs/spec.md says they must be, at the clock's time."""
 
     clock: Clock
     heartbeat_timeout: timedelta = HEARTBEAT_TIMEOUT

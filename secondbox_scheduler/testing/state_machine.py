@@ -9,7 +9,7 @@ transient and terminal, claim, advance generation, clock ticks that let heartbea
 stale). The model predicts every outcome, including which refusal.
 
 After every step: reserved equals the model and the sum of unreleased assignments and
-never exceeds allocatable (SPEC section 7, invariants 1 and 2), drain phases agree,
+never exceeds allocatable (docs/spec.md (section 7), invariants 1 and 2), drain phases agree,
 every assignment's state, token and retry count agree with the model, each sandbox's
 tokens are distinct (3), and the read models equal the fold of the aggregates (7). At
 the end of every example ``audit verify`` replays the whole log and must find nothing.

@@ -211,8 +211,9 @@ DEADLINE_AHEAD = timedelta(minutes=10)
 
 def fresh_times(request: ScheduleRequest) -> ScheduleRequest:
     """``request`` with its times moved to now (no validation: a copy). The scheduler's
-    clock refuses a request whose ``now`` is off by more than its tolerance (SPEC 6a),
-    so requests prepared before a run are brought up to date as they are sent."""
+    clock refuses a request whose ``now`` is off by more than its tolerance
+    (docs/spec.md, section 6a), so requests prepared before a run are brought up to date
+    as they are sent."""
     at = datetime.now(UTC)
     return request.model_copy(
         update={

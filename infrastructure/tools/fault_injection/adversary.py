@@ -2,7 +2,7 @@
 
 One per worker, on the worker's own sandboxes (so it knows every token it was given)
 and on the shared runners. Each misbehaviour must be refused with the documented error
-(SPEC sections 5 and 6) and must write nothing: the events appended to the streams it
+(docs/spec.md (sections 5 and 6)) and must write nothing: the events appended to the streams it
 touched while it ran are read back, and none may be one that the misbehaving call could
 have written (other workers write to the shared runners meanwhile, and their reconcilers
 to any sandbox, so "nothing new at all" would be the wrong test).
