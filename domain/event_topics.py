@@ -19,7 +19,11 @@ from typing import Any
 from eventsourcing.domain import Aggregate, DomainEvent
 from eventsourcing.utils import get_topic, register_topic
 
-from secondbox_scheduler.domain import fencing_tokens, lease, refusals, runner, sandbox
+import secondbox_scheduler.domain.fencing_tokens as fencing_tokens
+import secondbox_scheduler.domain.lease as lease
+import secondbox_scheduler.domain.refusals as refusals
+import secondbox_scheduler.domain.runner as runner
+import secondbox_scheduler.domain.sandbox as sandbox
 
 PACKAGE = "secondbox_scheduler."
 # The modules that define stored classes (aggregates and their events).

@@ -50,11 +50,11 @@ from secondbox_scheduler.domain.ids import sandbox_uuid
 from secondbox_scheduler.domain.placement.evidence import (
     Unlisted,
     decision_record,
-    home_decision_record,
 )
 from secondbox_scheduler.domain.placement.rules import (
     RULES_VERSION,
     decide,
+    home_decision_record,
     refusal,
     select_home_runner,
 )

@@ -48,7 +48,6 @@ from secondbox_scheduler.domain.limits import (
     MAX_PROOF_ENTRIES,
     MAX_PROOF_VALUE_LENGTH,
 )
-from secondbox_scheduler.domain.placement.evidence import Unlisted
 from secondbox_scheduler.domain.reconcile import ReconcileDecision
 from secondbox_scheduler.domain.refusals import OPERATION_CREATE, Refusal, RefusalLog
 from secondbox_scheduler.domain.runner import Runner
@@ -67,25 +66,23 @@ from secondbox_scheduler.domain.values import (
 from secondbox_scheduler.infrastructure.counters import SchedulerMetrics
 from secondbox_scheduler.infrastructure.metrics import PrometheusMetrics, measured
 from secondbox_scheduler.infrastructure.placing.batch import PlacementBatch
-from secondbox_scheduler.infrastructure.placing.batcher import DEFAULT_BATCH_SIZE, PlacementBatcher
+from secondbox_scheduler.infrastructure.placing.batcher import (
+    DEFAULT_BATCH_SIZE,
+    batcher_from_settings,
+)
 from secondbox_scheduler.infrastructure.placing.runner_locks import RunnerLocks
 from secondbox_scheduler.infrastructure.queries import SchedulerQueries
 from secondbox_scheduler.infrastructure.refusal_recording import RefusalRecorder
 from secondbox_scheduler.infrastructure.retrying import COMMAND_RETRY_LIMIT, Retrying, StaleRead
 from secondbox_scheduler.infrastructure.settings import (
-    BATCH_SIZE,
-    BATCH_WAIT_MS,
-    BATCHING,
     CLOCK_TOLERANCE_SECONDS,
     LEASE_RENEWAL_SECONDS,
     READ_MODELS,
     RUNNER_LOCKS,
-    batch_setting,
     clock_tolerance,
 )
 from secondbox_scheduler.infrastructure.store.application_store import StoredApplication
 from secondbox_scheduler.infrastructure.store.startup import DEFAULT_CONNECT_TIMEOUT_SECONDS
-from secondbox_scheduler.projections.candidates import home_candidates
 from secondbox_scheduler.projections.read_models import (
     ProjectionStatus,
     ReadModels,
@@ -149,15 +146,7 @@ class SchedulerApplication(StoredApplication):
             self.runner_locks = RunnerLocks(
                 self.recorder if strtobool(self.env.get(RUNNER_LOCKS) or "on") else None
             )
-            self.batcher: PlacementBatcher | None = None
-            if strtobool(self.env.get(BATCHING) or "on"):
-                self.batcher = PlacementBatcher(
-                    self._place_deferring,
-                    size=int(
-                        batch_setting(self.env.get(BATCH_SIZE), DEFAULT_BATCH_SIZE, BATCH_SIZE)
-                    ),
-                    wait=batch_setting(self.env.get(BATCH_WAIT_MS), 0, BATCH_WAIT_MS) / 1000,
-                )
+            self.batcher = batcher_from_settings(self.env, self._place_deferring)
             if metrics_registry is not None:
                 self.attach_metrics(metrics_registry)
 
@@ -357,7 +346,7 @@ class SchedulerApplication(StoredApplication):
         if existing is None:
             now = self.now()
             try:
-                runners, unlisted = self._candidates(wanted, now, heartbeat_timeout)
+                runners, unlisted = self.queries.home_candidates(wanted, now, heartbeat_timeout)
                 sandbox = Sandbox.create(
                     sandbox_id=sandbox_id,
                     workspace_id=workspace_id,
@@ -369,9 +358,13 @@ class SchedulerApplication(StoredApplication):
                     unlisted=unlisted,
                 )
             except PlacementError as error:
-                self._record_refusal(
-                    sandbox_id, OPERATION_CREATE, 0, error, now, heartbeat_timeout, wanted
-                )
+                self.record_refusals(
+                    [
+                        Refusal(
+                            sandbox_id, OPERATION_CREATE, 0, error, now, heartbeat_timeout, wanted
+                        )
+                    ]
+                )  # best effort: never changes the refusal
                 raise
             try:
                 self.save(sandbox)
@@ -388,38 +381,6 @@ class SchedulerApplication(StoredApplication):
                 f"sandbox {sandbox_id!r} already exists with another workspace or profile revision"
             )
         return existing.home_runner_id
-
-    def _record_refusal(
-        self,
-        sandbox_id: str,
-        operation: str,
-        generation: int,
-        error: PlacementError,
-        decided_at: datetime,
-        heartbeat_timeout: timedelta,
-        requirements: Requirements | None = None,
-    ) -> None:
-        """Record a refused placement as evidence (best effort: it never changes the
-        outcome; a lost race is retried a few times, then the record is dropped).
-        ``requirements``: a refused creation's, so that it can be replayed."""
-        self.record_refusals([
-            Refusal(
-                sandbox_id, operation, generation, error, decided_at, heartbeat_timeout,
-                requirements,
-            )
-        ])  # fmt: skip
-
-    def _candidates(
-        self, requirements: Requirements, now: datetime, heartbeat_timeout: timedelta
-    ) -> tuple[list[RunnerSnapshot], Unlisted]:
-        """The runners to evaluate for a home decision, and counts of the pool's others:
-        with the read model, the pool's prefiltered candidates a page at a time
-        (:func:`secondbox_scheduler.projections.candidates.home_candidates`); without it,
-        every runner of the pool, folded from the aggregates."""
-        read_models = self.current_read_models()
-        if read_models is None:
-            return self.fold_runner_snapshots(requirements.pool_name), Unlisted()
-        return home_candidates(read_models.runners, requirements, now, heartbeat_timeout)
 
     @measured("schedule")
     def schedule(self, request: ScheduleRequest) -> tuple[DurableAssignment, bool]:

@@ -9,16 +9,24 @@ models must equal (invariant 7). The ``fold_*`` queries always fold.
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
 from typing import Any
 
 from secondbox_scheduler.domain.assignment import to_durable_assignment
 from secondbox_scheduler.domain.errors import RunnerNotFoundError, SandboxNotFoundError
 from secondbox_scheduler.domain.ids import lease_uuid, runner_uuid, sandbox_uuid
 from secondbox_scheduler.domain.lease import RunnerLease
+from secondbox_scheduler.domain.placement.evidence import Unlisted
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.sandbox import Sandbox, assignment_history
-from secondbox_scheduler.domain.values import DurableAssignment, RunnerSnapshot, require_text
+from secondbox_scheduler.domain.values import (
+    DurableAssignment,
+    Requirements,
+    RunnerSnapshot,
+    require_text,
+)
 from secondbox_scheduler.infrastructure.store.application_store import StoredApplication
+from secondbox_scheduler.projections.candidates import home_candidates
 from secondbox_scheduler.projections.read_models import ReadModels
 from secondbox_scheduler.projections.runner_index import RunnerIndex
 
@@ -59,6 +67,18 @@ class SchedulerQueries:
         if sandbox is None:
             raise SandboxNotFoundError(sandbox_id)
         return sandbox
+
+    def home_candidates(
+        self, requirements: Requirements, now: datetime, heartbeat_timeout: timedelta
+    ) -> tuple[list[RunnerSnapshot], Unlisted]:
+        """The runners to evaluate for a home decision, and counts of the pool's others:
+        with the read model, the pool's prefiltered candidates a page at a time
+        (:func:`secondbox_scheduler.projections.candidates.home_candidates`); without it,
+        every runner of the pool, folded from the aggregates."""
+        read_models = self.current_read_models()
+        if read_models is None:
+            return self.fold_runner_snapshots(requirements.pool_name), Unlisted()
+        return home_candidates(read_models.runners, requirements, now, heartbeat_timeout)
 
     # -- assignments and runners ---------------------------------------------------
 

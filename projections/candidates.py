@@ -34,11 +34,11 @@ from secondbox_scheduler.domain.placement.evidence import (
     RankKey,
     Unlisted,
 )
+from secondbox_scheduler.domain.placement.ranking import rank_key
 from secondbox_scheduler.domain.placement.rules import (
     CAPABILITY_COMPUTE,
     CAPABILITY_PHYSICAL_STORAGE_ADMISSION,
     decide,
-    rank_key,
 )
 from secondbox_scheduler.domain.values import (
     DRAIN_PHASE_ACTIVE,

@@ -8,7 +8,6 @@ from datetime import timedelta
 from secondbox_scheduler.domain.placement.evidence import (
     CAPACITY,
     EGRESS,
-    PlacementDecision,
     RuleFailure,
     RunnerEvaluation,
     Unlisted,
@@ -17,7 +16,7 @@ from secondbox_scheduler.domain.placement.evidence import (
     rank_record,
     reason_label,
 )
-from secondbox_scheduler.domain.placement.rules import decide
+from secondbox_scheduler.domain.placement.rules import PlacementDecision, decide
 from tests.aggregates import T0, TIMEOUT, new_lease, new_runner, requirements, slots
 
 

@@ -32,7 +32,8 @@ from secondbox_scheduler.domain import (
     select_runner,
 )
 from secondbox_scheduler.domain.placement.evidence import REASON_CODES
-from secondbox_scheduler.domain.placement.rules import evaluate_runner, rank_key
+from secondbox_scheduler.domain.placement.ranking import rank_key
+from secondbox_scheduler.domain.placement.rules import evaluate_runner
 from secondbox_scheduler.testing import fleets, requirements
 from secondbox_scheduler.testing.strategies import RUNNER_IDS
 

@@ -14,10 +14,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from secondbox_scheduler.domain.values import RunnerSnapshot
+from typing import Any
 
 # Reason codes of the placement rules (docs/spec.md (section 3)), in the order the rules run.
 POOL = "pool"
@@ -276,29 +273,6 @@ def summarize_refusals(
     return head + ": " + ", ".join(f"{count} {label}" for label, count in parts)
 
 
-@dataclass(frozen=True)
-class PlacementDecision:
-    """The outcome of one selection and the evidence it was made on.
-
-    ``unlisted`` counts the runners of the pool that were decided without an
-    evaluation here (see :class:`Unlisted`): excluded by a store's prefilter, or never
-    evaluated because they provably rank below ``chosen``.
-    """
-
-    chosen: RunnerSnapshot | None
-    evaluations: tuple[RunnerEvaluation, ...]
-    unlisted: Unlisted = field(default_factory=lambda: Unlisted())
-    # per evaluation, the ranking key of a compatible runner (None for a refused one)
-    ranks: tuple[RankKey | None, ...] = ()
-
-    @property
-    def compatible_count(self) -> int:
-        return sum(1 for evaluation in self.evaluations if evaluation.compatible)
-
-    def summary(self) -> str:
-        return summarize_refusals(self.evaluations, self.unlisted)
-
-
 # -- decision records (what events carry; docs/events.md section 7) -------------
 
 
@@ -329,18 +303,3 @@ def ranked_candidates(
             record["rank"] = rank_record(key)
         records.append(record)
     return records
-
-
-def home_decision_record(
-    decision: PlacementDecision, now: datetime, heartbeat_timeout: timedelta
-) -> dict[str, Any]:
-    """The evidence of a home decision (docs/events.md 7.3): bounded candidate records,
-    and ``unlisted`` counts for the pool's runners without a record."""
-    assert decision.chosen is not None
-    kept, elided = bounded_evidence(decision.evaluations, decision.chosen.id)
-    candidates = ranked_candidates(
-        [decision.evaluations[i] for i in kept], [decision.ranks[i] for i in kept]
-    )
-    record = decision_record(now, heartbeat_timeout, decision.chosen.id, candidates)
-    record["unlisted"] = decision.unlisted.merged(elided).to_record()
-    return record

@@ -16,8 +16,27 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from secondbox_scheduler.domain.placement.rules import rank_key
+from secondbox_scheduler.domain.placement.evidence import RankKey
 from secondbox_scheduler.domain.values import Requirements, RunnerSnapshot
+
+
+def rank_key(requirements: Requirements, runner: RunnerSnapshot) -> RankKey:
+    """Sort key of a compatible runner: smaller is better (docs/spec.md (section 3) ranking)."""
+    preferred = frozenset(requirements.preferred_artifact_digests)
+    return rank_key_for(preferred, runner)
+
+
+def rank_key_for(preferred: frozenset[str], runner: RunnerSnapshot) -> RankKey:
+    """``rank_key`` with the preferred digests as a set (computed once per decision)."""
+    locality = sum(1 for digest in runner.artifact_digests if digest in preferred)
+    a, r = runner.allocatable, runner.reserved
+    return (
+        -locality,
+        -(a.instances - r.instances),
+        -(a.vcpu_count - r.vcpu_count),
+        -(a.memory_bytes - r.memory_bytes),
+        runner.id,
+    )
 
 
 @runtime_checkable

@@ -12,9 +12,9 @@ rules that plain columns decide, which prefilters a pool, is
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import Any
 
 from secondbox_scheduler.domain.errors import (
     EgressContextUnavailableError,
@@ -36,13 +36,16 @@ from secondbox_scheduler.domain.placement.evidence import (
     POOL,
     PREREQUISITE,
     REASON_CODES,
-    PlacementDecision,
     RankKey,
     RuleFailure,
     RunnerEvaluation,
     Unlisted,
     bounded_evidence,
+    decision_record,
+    ranked_candidates,
+    summarize_refusals,
 )
+from secondbox_scheduler.domain.placement.ranking import RankingPolicy, rank_key_for
 from secondbox_scheduler.domain.values import (
     DRAIN_PHASE_ACTIVE,
     Capacity,
@@ -50,9 +53,6 @@ from secondbox_scheduler.domain.values import (
     RunnerSnapshot,
     require_aware,
 )
-
-if TYPE_CHECKING:
-    from secondbox_scheduler.domain.placement.ranking import RankingPolicy
 
 CAPABILITY_COMPUTE = "compute"
 CAPABILITY_CLIENT_SELECTED_IMAGE = "client-selected-image"
@@ -266,22 +266,27 @@ def _evaluate(ctx: _Context, runner: RunnerSnapshot) -> RunnerEvaluation:
     return RunnerEvaluation(runner.id, failures)
 
 
-def rank_key(requirements: Requirements, runner: RunnerSnapshot) -> RankKey:
-    """Sort key of a compatible runner: smaller is better (docs/spec.md (section 3) ranking)."""
-    preferred = frozenset(requirements.preferred_artifact_digests)
-    return _rank_key(preferred, runner)
+@dataclass(frozen=True)
+class PlacementDecision:
+    """The outcome of one selection and the evidence it was made on.
 
+    ``unlisted`` counts the runners of the pool that were decided without an
+    evaluation here (see :class:`Unlisted`): excluded by a store's prefilter, or never
+    evaluated because they provably rank below ``chosen``.
+    """
 
-def _rank_key(preferred: frozenset[str], runner: RunnerSnapshot) -> RankKey:
-    locality = sum(1 for digest in runner.artifact_digests if digest in preferred)
-    a, r = runner.allocatable, runner.reserved
-    return (
-        -locality,
-        -(a.instances - r.instances),
-        -(a.vcpu_count - r.vcpu_count),
-        -(a.memory_bytes - r.memory_bytes),
-        runner.id,
-    )
+    chosen: RunnerSnapshot | None
+    evaluations: tuple[RunnerEvaluation, ...]
+    unlisted: Unlisted = field(default_factory=lambda: Unlisted())
+    # per evaluation, the ranking key of a compatible runner (None for a refused one)
+    ranks: tuple[RankKey | None, ...] = ()
+
+    @property
+    def compatible_count(self) -> int:
+        return sum(1 for evaluation in self.evaluations if evaluation.compatible)
+
+    def summary(self) -> str:
+        return summarize_refusals(self.evaluations, self.unlisted)
 
 
 def decide(
@@ -303,7 +308,7 @@ def decide(
     ctx = _context(requirements, now, heartbeat_timeout)
     evaluations = tuple(_evaluate(ctx, runner) for runner in runners)
     ranks = tuple(
-        _rank_key(ctx.preferred, runner) if evaluation.compatible else None
+        rank_key_for(ctx.preferred, runner) if evaluation.compatible else None
         for runner, evaluation in zip(runners, evaluations, strict=True)
     )
     compatible = [(key, index) for index, key in enumerate(ranks) if key is not None]
@@ -381,3 +386,18 @@ def select_home_runner(
     if decision.chosen is None:
         raise _refuse(decision, HomeRunnerUnavailableError, f"home runner {home_runner_id!r}")
     return decision.chosen
+
+
+def home_decision_record(
+    decision: PlacementDecision, now: datetime, heartbeat_timeout: timedelta
+) -> dict[str, Any]:
+    """The evidence of a home decision (docs/events.md 7.3): bounded candidate records,
+    and ``unlisted`` counts for the pool's runners without a record."""
+    assert decision.chosen is not None
+    kept, elided = bounded_evidence(decision.evaluations, decision.chosen.id)
+    candidates = ranked_candidates(
+        [decision.evaluations[i] for i in kept], [decision.ranks[i] for i in kept]
+    )
+    record = decision_record(now, heartbeat_timeout, decision.chosen.id, candidates)
+    record["unlisted"] = decision.unlisted.merged(elided).to_record()
+    return record

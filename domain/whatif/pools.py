@@ -23,8 +23,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from secondbox_scheduler.domain.placement.evidence import RankKey, RunnerEvaluation, reason_keys
-from secondbox_scheduler.domain.placement.ranking import RankingPolicy
-from secondbox_scheduler.domain.placement.rules import evaluate_runner, rank_key
+from secondbox_scheduler.domain.placement.ranking import RankingPolicy, rank_key
+from secondbox_scheduler.domain.placement.rules import evaluate_runner
 from secondbox_scheduler.domain.values import Requirements, RunnerSnapshot
 from secondbox_scheduler.domain.whatif.evidence import PLAIN_KEYS, PoolCounts, recorded_keys
 from secondbox_scheduler.domain.whatif.fleet import FleetRunner

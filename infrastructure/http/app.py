@@ -13,8 +13,10 @@ from __future__ import annotations
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
+import secondbox_scheduler.infrastructure.http.health as health
+import secondbox_scheduler.infrastructure.http.runners as runners
+import secondbox_scheduler.infrastructure.http.sandboxes as sandboxes
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
-from secondbox_scheduler.infrastructure.http import health, runners, sandboxes
 from secondbox_scheduler.infrastructure.http.errors import install_error_handlers
 from secondbox_scheduler.infrastructure.http.request_metrics import (
     RequestMetrics,

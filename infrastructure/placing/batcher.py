@@ -25,10 +25,21 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+
+from eventsourcing.utils import strtobool
 
 from secondbox_scheduler.domain.values import DurableAssignment, ScheduleRequest
 from secondbox_scheduler.infrastructure.placing.port import Outcome
+from secondbox_scheduler.infrastructure.settings import (
+    BATCH_SIZE,
+    BATCH_WAIT_MS,
+    BATCHING,
+    batch_setting,
+)
+
+# A batch's decisions: each request's answer, None for one handed back to the next batch.
+PlaceDeferring = Callable[[Sequence[ScheduleRequest], Sequence[bool]], list[Outcome | None]]
 
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_BATCH_WAIT = 0.0
@@ -109,7 +120,7 @@ class PlacementBatcher:
 
     def __init__(
         self,
-        run: Callable[[Sequence[ScheduleRequest], Sequence[bool]], list[Outcome | None]],
+        run: PlaceDeferring,
         *,
         size: int = DEFAULT_BATCH_SIZE,
         wait: float = DEFAULT_BATCH_WAIT,
@@ -217,3 +228,13 @@ class PlacementBatcher:
             successor.wake.set()
         else:
             self._busy = False
+
+
+def batcher_from_settings(env: Mapping[str, str], place: PlaceDeferring) -> PlacementBatcher | None:
+    """The batcher the settings ask for (``SECONDBOX_BATCHING``, ``SECONDBOX_BATCH_SIZE``,
+    ``SECONDBOX_BATCH_WAIT_MS``), or None with batching off."""
+    if not strtobool(env.get(BATCHING) or "on"):
+        return None
+    size = int(batch_setting(env.get(BATCH_SIZE), DEFAULT_BATCH_SIZE, BATCH_SIZE))
+    wait = batch_setting(env.get(BATCH_WAIT_MS), 0, BATCH_WAIT_MS) / 1000
+    return PlacementBatcher(place, size=size, wait=wait)
