@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any, ClassVar, Self, TypeVar
+from typing import Annotated, Any, ClassVar, Self, TypedDict, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -222,6 +222,19 @@ class Capacity(Value):
         )
 
 
+class RequirementsRecord(TypedDict):
+    """``Requirements.to_record()``: what a sandbox pins (``Sandbox.Created``) and a refused
+    creation records (``RefusalLog.Refused``)."""
+
+    pool_name: str
+    architecture: str
+    required_capabilities: list[str]  # sorted
+    capacity: dict[str, int]  # Capacity.as_dict()
+    guest_protocol_generation: int
+    preferred_artifact_digests: list[str]
+    egress_context: str | None
+
+
 class Requirements(Value):
     """Immutable ProfileRevision placement constraints."""
 
@@ -234,6 +247,17 @@ class Requirements(Value):
     egress_context: Name | None = None
 
 
+class MaterializationRecord(TypedDict):
+    """``MaterializationSnapshot.to_record()``: one materialization as a lease records it
+    (``RunnerLease.EvidenceRecorded``) and a placement's runner evidence carries it."""
+
+    backend_kind: str
+    architecture: str
+    runtime_digest: str
+    toolchain_digest: str
+    digest: str
+
+
 class MaterializationSnapshot(Value):
     """One revalidated local backend composition."""
 
@@ -242,6 +266,26 @@ class MaterializationSnapshot(Value):
     runtime_digest: Name = ""
     toolchain_digest: Name = ""
     digest: Name = ""
+
+
+class RunnerSnapshotRecord(TypedDict):
+    """``RunnerSnapshot.to_record()``: the runner a placement read, as its evidence records
+    it (``Sandbox.AssignmentFenced.placement["runner"]``)."""
+
+    id: str
+    pool_name: str
+    backend_kind: str
+    architecture: str
+    capabilities: list[str]  # sorted
+    allocatable: dict[str, int]  # Capacity.as_dict()
+    reserved: dict[str, int]  # Capacity.as_dict()
+    drain_phase: str
+    last_heartbeat_at: str | None  # ISO 8601 (a JSON dump)
+    artifact_digests: list[str]
+    materializations: list[MaterializationRecord]
+    supported_egress_contexts: list[str]
+    guest_protocol_minimum: int
+    guest_protocol_maximum: int
 
 
 class RunnerSnapshot(Value):

@@ -27,7 +27,7 @@ from eventsourcing.sqlite import SQLiteDatastore
 from eventsourcing.utils import EnvType, strtobool
 from prometheus_client import CollectorRegistry
 
-from secondbox_scheduler.domain.assignment import to_durable_assignment
+from secondbox_scheduler.domain.assignment import AssignmentRecord, to_durable_assignment
 from secondbox_scheduler.domain.audit.chain import Chain
 from secondbox_scheduler.domain.errors import (
     AlreadyExistsError,
@@ -989,7 +989,7 @@ class SchedulerApplication(Application[UUID]):
         record = self._assignment_history(sandbox_id).get(generation)
         return None if record is None else to_durable_assignment(record)
 
-    def _assignment_history(self, sandbox_id: str) -> dict[int, dict[str, Any]]:
+    def _assignment_history(self, sandbox_id: str) -> dict[int, AssignmentRecord]:
         return assignment_history(self.events.get(sandbox_uuid(sandbox_id)))
 
     def assignments(self, sandbox_id: str) -> list[DurableAssignment]:
