@@ -1,15 +1,15 @@
 """The assignment of one sandbox generation: states, failure classes, stored record.
 
 The Sandbox aggregate keeps each generation's assignment as a record of primitives
-(what events and snapshots can carry); :func:`to_durable_assignment` turns one into
-the public :class:`DurableAssignment`.
+(what events and snapshots can carry: an :class:`AssignmentRecord`);
+:func:`to_durable_assignment` turns one into the public :class:`DurableAssignment`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, TypedDict
 
 from secondbox_scheduler.domain.errors import InvalidRequestError
 from secondbox_scheduler.domain.values import (
@@ -38,6 +38,80 @@ TERMINAL_FAILURES = frozenset(
 FAILURE_CLASSES = TRANSIENT_FAILURES | TERMINAL_FAILURES
 
 
+class AssignmentRecord(TypedDict):
+    """One generation's assignment as the Sandbox aggregate keeps it and
+    ``Sandbox.AssignmentFenced.assignment`` carries it (:func:`new_assignment_record`):
+    the fields of :class:`DurableAssignment`, the token as hex and the capacity as
+    ``Capacity.as_dict()``. Every release wrote every key."""
+
+    id: str
+    sandbox_id: str
+    instance_id: str
+    runner_id: str
+    profile_revision_id: str
+    backend_kind: str
+    backend_reference: str
+    generation: int
+    fencing_token: str  # hex
+    state: str  # one of STATES
+    capability_snapshot: dict[str, str]
+    resolved_artifacts: dict[str, str]
+    release_proof: dict[str, str]
+    failure_class: str
+    retry_count: int
+    retry_limit: int
+    operation_deadline: datetime | None
+    claim_expires_at: datetime | None
+    reconcile_owner: str
+    reconcile_claim_expires_at: datetime | None
+    next_reconcile_at: datetime | None
+    revision: int
+    created_at: datetime
+    updated_at: datetime
+    egress_context: str | None
+    capacity: dict[str, int]  # Capacity.as_dict()
+    workspace_id: str
+    assignment_command_id: str
+    assignment_command: dict[str, str] | None
+    start_mutation_id: str
+
+
+class AssignmentUpdate(TypedDict, total=False):
+    """Any part of an :class:`AssignmentRecord` (what ``dict.update`` takes for one): the
+    same keys, none required. ``tests/test_domain_records.py`` keeps the two alike."""
+
+    id: str
+    sandbox_id: str
+    instance_id: str
+    runner_id: str
+    profile_revision_id: str
+    backend_kind: str
+    backend_reference: str
+    generation: int
+    fencing_token: str
+    state: str
+    capability_snapshot: dict[str, str]
+    resolved_artifacts: dict[str, str]
+    release_proof: dict[str, str]
+    failure_class: str
+    retry_count: int
+    retry_limit: int
+    operation_deadline: datetime | None
+    claim_expires_at: datetime | None
+    reconcile_owner: str
+    reconcile_claim_expires_at: datetime | None
+    next_reconcile_at: datetime | None
+    revision: int
+    created_at: datetime
+    updated_at: datetime
+    egress_context: str | None
+    capacity: dict[str, int]
+    workspace_id: str
+    assignment_command_id: str
+    assignment_command: dict[str, str] | None
+    start_mutation_id: str
+
+
 def require_failure_class(failure_class: object) -> str:
     if not isinstance(failure_class, str) or failure_class not in FAILURE_CLASSES:
         raise InvalidRequestError(
@@ -61,7 +135,7 @@ def capability_snapshot(runner: RunnerSnapshot) -> dict[str, str]:
 
 def new_assignment_record(
     request: ScheduleRequest, runner: RunnerSnapshot, generation: int, at: datetime
-) -> dict[str, Any]:
+) -> AssignmentRecord:
     """The record of a freshly fenced assignment (state assigned, revision 1)."""
     return {
         "id": request.assignment_id,
@@ -99,9 +173,10 @@ def new_assignment_record(
     }
 
 
-def to_durable_assignment(record: Mapping[str, Any]) -> DurableAssignment:
-    """Trusted conversion of a stored record into the public value type."""
-    fields = dict(record)
+def to_durable_assignment(record: AssignmentRecord | Mapping[str, Any]) -> DurableAssignment:
+    """Trusted conversion of a stored record into the public value type (an
+    :class:`AssignmentRecord`, or the audit fold's untyped copy of one)."""
+    fields: dict[str, Any] = dict(record)
     fields["fencing_token"] = bytes.fromhex(record["fencing_token"])
     fields["capacity"] = Capacity.of(record["capacity"])
     for name in ("capability_snapshot", "resolved_artifacts", "release_proof"):

@@ -22,6 +22,7 @@ from typing import Any
 from eventsourcing.domain import Aggregate
 
 from secondbox_scheduler.domain.ids import lease_uuid
+from secondbox_scheduler.domain.records import MaterializationRecord
 from secondbox_scheduler.domain.values import MaterializationSnapshot
 
 OBSERVED_STALE = "stale"  # older than the last recorded heartbeat
@@ -40,7 +41,7 @@ class RunnerLease(Aggregate):
         self.runner_id = runner_id
         self.last_heartbeat_at: datetime | None = None
         self.artifact_digests: list[str] = []
-        self.materializations: list[dict[str, str]] = []
+        self.materializations: list[MaterializationRecord] = []
 
     def __deepcopy__(self, memo: dict[int, Any]) -> RunnerLease:
         """The copy a command works on: events replace the lists, never change them in
@@ -63,12 +64,12 @@ class RunnerLease(Aggregate):
     class EvidenceRecorded(Aggregate.Event):
         at: datetime
         artifact_digests: list[str]
-        materializations: list[dict[str, str]]
+        materializations: list[MaterializationRecord]
 
         def apply(self, lease: RunnerLease) -> None:
             lease.last_heartbeat_at = self.at
             lease.artifact_digests = list(self.artifact_digests)
-            lease.materializations = [dict(item) for item in self.materializations]
+            lease.materializations = [item.copy() for item in self.materializations]
 
     def observe(
         self,
@@ -101,7 +102,7 @@ class RunnerLease(Aggregate):
 
 
 def materialization_snapshots(
-    records: Sequence[Mapping[str, str]],
+    records: Sequence[MaterializationRecord | Mapping[str, str]],
 ) -> tuple[MaterializationSnapshot, ...]:
     """Recorded materializations as value objects (trusted: no validation)."""
     return tuple(

@@ -13,21 +13,35 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TypedDict
 
 from eventsourcing.domain import Aggregate
 
 from secondbox_scheduler.domain.errors import PlacementError
 from secondbox_scheduler.domain.ids import refusal_log_uuid
 from secondbox_scheduler.domain.placement.evidence import (
+    CandidateRecord,
     RunnerEvaluation,
     Unlisted,
+    UnlistedRecord,
     summarize_refusals,
 )
+from secondbox_scheduler.domain.records import RequirementsRecord
 from secondbox_scheduler.domain.values import Requirements
 
 OPERATION_CREATE = "create_sandbox"
 OPERATION_SCHEDULE = "schedule"
+
+
+class UnlistedReasons(TypedDict):
+    """The last of a refusal's reasons when it counted runners without a record."""
+
+    unlisted: UnlistedRecord
+
+
+# What two refusals of one operation are compared on (:func:`_reasons`): the candidate
+# records, then the unlisted counts when there are any.
+RefusalReasons = Sequence[CandidateRecord | UnlistedReasons]
 
 
 class RefusalLog(Aggregate):
@@ -38,7 +52,7 @@ class RefusalLog(Aggregate):
         self.sandbox_id = sandbox_id
         # by operation: the generation and the reasons of the last refusal recorded
         # (one entry per operation, however many generations were refused)
-        self.last: dict[str, list[Any]] = {}  # [generation, reasons]: JSON-shaped
+        self.last: dict[str, list[int | RefusalReasons]] = {}  # [generation, reasons]: JSON-shaped
 
     @classmethod
     def open(cls, sandbox_id: str, at: datetime) -> RefusalLog:
@@ -53,11 +67,11 @@ class RefusalLog(Aggregate):
         summary: str
         decided_at: datetime
         heartbeat_timeout_seconds: float
-        candidates: list[dict[str, Any]]
-        unlisted: dict[str, Any] | None = None  # Unlisted.to_record(); absent before
+        candidates: list[CandidateRecord]
+        unlisted: UnlistedRecord | None = None  # Unlisted.to_record(); absent before
         # create_sandbox: the requirements refused (Requirements.to_record()), so that the
         # request can be replayed (audit whatif); absent before, None for schedule
-        requirements: dict[str, Any] | None = None
+        requirements: RequirementsRecord | None = None
 
         def apply(self, log: RefusalLog) -> None:
             log.last[self.operation] = [self.generation, _reasons(self.candidates, self.unlisted)]
@@ -125,6 +139,6 @@ class Refusal:
         )
 
 
-def _reasons(candidates: list[dict[str, Any]], unlisted: dict[str, Any] | None) -> list[Any]:
+def _reasons(candidates: list[CandidateRecord], unlisted: UnlistedRecord | None) -> RefusalReasons:
     """What two refusals are compared on: the records, and the counts when there are any."""
     return [*candidates, {"unlisted": unlisted}] if unlisted else candidates

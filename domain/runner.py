@@ -13,9 +13,9 @@ Liveness and artifact evidence live in the runner's lease stream
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 from eventsourcing.domain import Aggregate
 
@@ -28,6 +28,7 @@ from secondbox_scheduler.domain.errors import (
 from secondbox_scheduler.domain.ids import runner_uuid
 from secondbox_scheduler.domain.lease import RunnerLease, materialization_snapshots
 from secondbox_scheduler.domain.placement.rules import capacity_shortfall, checked_dimensions
+from secondbox_scheduler.domain.records import MaterializationRecord
 from secondbox_scheduler.domain.values import (
     DRAIN_PHASE_ACTIVE,
     DRAIN_PHASE_DRAINING,
@@ -40,6 +41,16 @@ from secondbox_scheduler.domain.values import (
 def reservation_key(sandbox_id: str, generation: int) -> str:
     """One reservation per (sandbox, generation): invariant 3 makes this unique."""
     return f"{sandbox_id}#{generation}"
+
+
+class ReservationRecord(TypedDict):
+    """One active reservation as the Runner keeps it (``Runner.reservations``, by
+    :func:`reservation_key`), from its ``CapacityReserved`` event."""
+
+    assignment_id: str
+    sandbox_id: str
+    generation: int
+    capacity: dict[str, int]  # Capacity.as_dict()
 
 
 class Runner(Aggregate):
@@ -75,7 +86,7 @@ class Runner(Aggregate):
         self.capabilities = list(capabilities)
         self.allocatable = dict(allocatable)
         self.reserved = dict.fromkeys(Capacity.DIMENSIONS, 0)
-        self.reservations: dict[str, dict[str, Any]] = {}
+        self.reservations: dict[str, ReservationRecord] = {}
         self.drain_phase = DRAIN_PHASE_ACTIVE
         self.deregistered = False
         self.guest_protocol_minimum = guest_protocol_minimum
@@ -323,11 +334,14 @@ class RunnerState(Protocol):
 
 
 class LeaseState(Protocol):
-    """A runner's recorded liveness: the RunnerLease aggregate or the audit fold's copy."""
+    """A runner's recorded liveness: the RunnerLease aggregate or the audit fold's copy
+    (whose materializations are plain dicts of the same shape)."""
 
     last_heartbeat_at: datetime | None
     artifact_digests: list[str]
-    materializations: list[dict[str, str]]
+
+    @property
+    def materializations(self) -> Sequence[MaterializationRecord | Mapping[str, str]]: ...
 
 
 def runner_snapshot(runner: RunnerState, lease: LeaseState | None) -> RunnerSnapshot:

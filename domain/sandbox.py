@@ -19,7 +19,7 @@ import copy
 import hmac
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Unpack, cast
 
 from eventsourcing.domain import Aggregate
 
@@ -31,6 +31,8 @@ from secondbox_scheduler.domain.assignment import (
     STATE_RUNNING,
     STATE_UNCERTAIN,
     TRANSIENT_FAILURES,
+    AssignmentRecord,
+    AssignmentUpdate,
     new_assignment_record,
     require_failure_class,
 )
@@ -48,6 +50,8 @@ from secondbox_scheduler.domain.errors import (
 from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
 from secondbox_scheduler.domain.ids import sandbox_uuid
 from secondbox_scheduler.domain.placement.evidence import (
+    HomeDecisionRecord,
+    PlacementRecord,
     Unlisted,
     decision_record,
 )
@@ -64,7 +68,12 @@ from secondbox_scheduler.domain.reconcile import (
     ACTION_UNCERTAIN,
     ACTIONS,
 )
-from secondbox_scheduler.domain.values import Requirements, RunnerSnapshot, ScheduleRequest
+from secondbox_scheduler.domain.records import RequirementsRecord, RunnerSnapshotRecord
+from secondbox_scheduler.domain.values import (
+    Requirements,
+    RunnerSnapshot,
+    ScheduleRequest,
+)
 
 TOKEN_REUSED = "must differ from every earlier token of this sandbox"
 
@@ -90,16 +99,16 @@ class Sandbox(Aggregate):
         sandbox_id: str
         workspace_id: str
         profile_revision_id: str
-        requirements: dict[str, Any]
+        requirements: RequirementsRecord
         home_runner_id: str
-        home_decision: dict[str, Any]
+        home_decision: HomeDecisionRecord
 
     def __init__(
         self,
         sandbox_id: str,
         workspace_id: str,
         profile_revision_id: str,
-        requirements: dict[str, Any],
+        requirements: RequirementsRecord,
         home_runner_id: str,
     ) -> None:
         self.sandbox_id = sandbox_id
@@ -108,7 +117,7 @@ class Sandbox(Aggregate):
         self.requirements = requirements
         self.home_runner_id = home_runner_id
         self.generation = 1
-        self.current: dict[str, Any] | None = None  # the current generation's assignment
+        self.current: AssignmentRecord | None = None  # the current generation's assignment
         self.operation_window_seconds = 0.0  # its first deadline - created
         self.legacy_tokens: list[str] = []  # tokens fenced before the token index (0.1)
 
@@ -156,7 +165,7 @@ class Sandbox(Aggregate):
         assignment record (``_touch`` updates it) and the legacy tokens (appended to).
         """
         clone = copy.copy(self)
-        clone.current = None if self.current is None else dict(self.current)
+        clone.current = None if self.current is None else self.current.copy()
         clone.legacy_tokens = list(self.legacy_tokens)
         clone._pending_events = list(self._pending_events)
         memo[id(self)] = clone
@@ -165,8 +174,8 @@ class Sandbox(Aggregate):
     # -- events ---------------------------------------------------------------
 
     class AssignmentFenced(Aggregate.Event):
-        assignment: dict[str, Any]
-        placement: dict[str, Any]
+        assignment: AssignmentRecord
+        placement: PlacementRecord
         token_indexed: bool = False  # a FencingTokenUse was saved with it (version 2)
 
         class_version = 2
@@ -179,7 +188,7 @@ class Sandbox(Aggregate):
             state["placement"] = {**state["placement"], "rules_version": 1}
 
         def apply(self, sandbox: Sandbox) -> None:
-            record = dict(self.assignment)
+            record = self.assignment.copy()
             sandbox.current = record
             sandbox.operation_window_seconds = 0.0
             if record["operation_deadline"] is not None:
@@ -276,7 +285,7 @@ class Sandbox(Aggregate):
             sandbox.current = None
             sandbox.operation_window_seconds = 0.0
 
-    def _touch(self, generation: int, at: datetime, **changes: Any) -> None:
+    def _touch(self, generation: int, at: datetime, /, **changes: Unpack[AssignmentUpdate]) -> None:
         record = self.current
         assert record is not None
         assert record["generation"] == generation
@@ -290,7 +299,7 @@ class Sandbox(Aggregate):
         """The current assignment's operation window (its first deadline - created)."""
         return timedelta(seconds=self.operation_window_seconds)
 
-    def assignment(self, generation: int | None = None) -> dict[str, Any] | None:
+    def assignment(self, generation: int | None = None) -> AssignmentRecord | None:
         """The current generation's assignment (None for another generation: past ones
         are in the events, see :func:`assignment_history`)."""
         if generation is not None and generation != self.generation:
@@ -327,7 +336,7 @@ class Sandbox(Aggregate):
         lease_version: int,
         attempt: int,
         clock: datetime,
-    ) -> tuple[dict[str, Any], FencingTokenUse]:
+    ) -> tuple[AssignmentRecord, FencingTokenUse]:
         """Fence this generation's assignment on the home runner, or refuse. Returns the
         assignment record and the token's use, to be saved with this sandbox (a token
         used by an earlier generation collides with its stream). ``clock``: the
@@ -349,22 +358,22 @@ class Sandbox(Aggregate):
             self.home_runner_id, requirements, [runner], request.now, request.heartbeat_timeout
         )
         record = new_assignment_record(request, runner, self.generation, request.now)
-        placement = decision_record(
-            request.now,
-            request.heartbeat_timeout,
-            runner.id,
-            [{"runner_id": runner.id, "failures": []}],
-        )
-        placement.update(
-            home_runner_id=self.home_runner_id,
-            runner=runner.to_record(),
-            runner_version=runner_version,
-            lease_version=lease_version,
-            requested=requirements.capacity.as_dict(),
-            attempt=attempt,
-            clock=clock,
-            rules_version=RULES_VERSION,
-        )
+        placement: PlacementRecord = {
+            **decision_record(
+                request.now,
+                request.heartbeat_timeout,
+                runner.id,
+                [{"runner_id": runner.id, "failures": []}],
+            ),
+            "home_runner_id": self.home_runner_id,
+            "runner": cast(RunnerSnapshotRecord, runner.to_record()),
+            "runner_version": runner_version,
+            "lease_version": lease_version,
+            "requested": requirements.capacity.as_dict(),
+            "attempt": attempt,
+            "clock": clock,
+            "rules_version": RULES_VERSION,
+        }
         self.trigger_event(
             self.AssignmentFenced,
             timestamp=request.now,
@@ -377,7 +386,7 @@ class Sandbox(Aggregate):
         )
         return record, use
 
-    def _current(self, generation: int) -> dict[str, Any]:
+    def _current(self, generation: int) -> AssignmentRecord:
         if generation != self.generation:
             raise StaleFenceError(
                 f"sandbox {self.sandbox_id!r} generation {generation} is not the current "
@@ -390,7 +399,7 @@ class Sandbox(Aggregate):
             )
         return record
 
-    def _fenced(self, generation: int, fencing_token: bytes) -> dict[str, Any]:
+    def _fenced(self, generation: int, fencing_token: bytes) -> AssignmentRecord:
         record = self._current(generation)
         if not hmac.compare_digest(record["fencing_token"], fencing_token.hex()):
             raise StaleFenceError(
@@ -416,7 +425,7 @@ class Sandbox(Aggregate):
         fencing_token: bytes,
         release_proof: Mapping[str, str],
         at: datetime,
-    ) -> dict[str, Any] | None:
+    ) -> AssignmentRecord | None:
         """Record the release; the record to free on the runner, or None for a repeat."""
         record = self._fenced(generation, fencing_token)
         if not release_proof:
@@ -437,7 +446,7 @@ class Sandbox(Aggregate):
 
     def fail(
         self, generation: int, fencing_token: bytes, failure_class: str, at: datetime
-    ) -> dict[str, Any]:
+    ) -> AssignmentRecord:
         """Count a failure: transient ones retry within retry_limit, others are terminal."""
         record = self._fenced(generation, fencing_token)
         require_failure_class(failure_class)
@@ -474,7 +483,7 @@ class Sandbox(Aggregate):
         )
         return True
 
-    def _claimed(self, generation: int, owner: str, at: datetime) -> dict[str, Any]:
+    def _claimed(self, generation: int, owner: str, at: datetime) -> AssignmentRecord:
         record = self._current(generation)
         expires = record["reconcile_claim_expires_at"]
         if record["reconcile_owner"] != owner or expires is None or expires <= at:
@@ -561,11 +570,11 @@ class Sandbox(Aggregate):
         return generation + 1
 
 
-def assignment_history(events: Iterable[Any]) -> dict[int, dict[str, Any]]:
+def assignment_history(events: Iterable[Any]) -> dict[int, AssignmentRecord]:
     """Every generation's assignment record, folded from a sandbox's events (from its
     first event; a snapshot holds only the current generation)."""
     sandbox: Sandbox | None = None
-    records: dict[int, dict[str, Any]] = {}
+    records: dict[int, AssignmentRecord] = {}
     for event in events:
         sandbox = event.mutate(sandbox)
         if isinstance(event, Sandbox.AssignmentFenced) and sandbox is not None:

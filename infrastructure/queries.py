@@ -10,9 +10,8 @@ models must equal (invariant 7). The ``fold_*`` queries always fold.
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from typing import Any
 
-from secondbox_scheduler.domain.assignment import to_durable_assignment
+from secondbox_scheduler.domain.assignment import AssignmentRecord, to_durable_assignment
 from secondbox_scheduler.domain.errors import RunnerNotFoundError, SandboxNotFoundError
 from secondbox_scheduler.domain.ids import lease_uuid, runner_uuid, sandbox_uuid
 from secondbox_scheduler.domain.lease import RunnerLease
@@ -100,7 +99,7 @@ class SchedulerQueries:
         record = self._assignment_history(sandbox_id).get(generation)
         return None if record is None else to_durable_assignment(record)
 
-    def _assignment_history(self, sandbox_id: str) -> dict[int, dict[str, Any]]:
+    def _assignment_history(self, sandbox_id: str) -> dict[int, AssignmentRecord]:
         return assignment_history(self.store.events.get(sandbox_uuid(sandbox_id)))
 
     def assignments(self, sandbox_id: str) -> list[DurableAssignment]:

@@ -17,6 +17,7 @@ from secondbox_scheduler.domain import (
     ProfileRevisionMismatchError,
     select_runner,
 )
+from secondbox_scheduler.domain.assignment import AssignmentRecord, AssignmentUpdate
 from secondbox_scheduler.domain.errors import (
     AlreadyExistsError,
     AssignmentNotFoundError,
@@ -26,14 +27,32 @@ from secondbox_scheduler.domain.errors import (
 )
 from secondbox_scheduler.domain.lease import RunnerLease
 from secondbox_scheduler.domain.placement.evidence import (
+    RANK_FIELDS,
+    CandidateRecord,
+    HomeDecisionRecord,
+    PlacementRecord,
+    RankRecord,
     RuleFailure,
+    RuleFailureRecord,
     RunnerEvaluation,
     Unlisted,
+    UnlistedRecord,
     summarize_refusals,
 )
 from secondbox_scheduler.domain.placement.rules import evaluate_runner, select_home_runner
+from secondbox_scheduler.domain.records import (
+    MaterializationRecord,
+    RequirementsRecord,
+    RunnerSnapshotRecord,
+)
+from secondbox_scheduler.domain.refusals import RefusalLog
+from secondbox_scheduler.domain.runner import ReservationRecord
 from secondbox_scheduler.domain.sandbox import Sandbox
-from secondbox_scheduler.domain.values import Capacity, MaterializationSnapshot
+from secondbox_scheduler.domain.values import (
+    Capacity,
+    DurableAssignment,
+    MaterializationSnapshot,
+)
 from tests.aggregates import (
     PROOF,
     REQUEST,
@@ -43,6 +62,7 @@ from tests.aggregates import (
     new_lease,
     new_runner,
     new_sandbox,
+    place,
     request,
     requirements,
     slots,
@@ -91,7 +111,8 @@ def test_a_fence_records_the_decision_it_was_made_on() -> None:
     assert placement["chosen_runner_id"] == "r1"
     assert placement["decided_at"] == LATER
     assert placement["heartbeat_timeout_seconds"] == TIMEOUT.total_seconds()
-    assert placement["candidates"] == [{"runner_id": "r1", "failures": []}]
+    only_home: list[CandidateRecord] = [{"runner_id": "r1", "failures": []}]
+    assert placement["candidates"] == only_home
     assert placement["home_runner_id"] == "r1"
     assert (placement["runner_version"], placement["lease_version"]) == (7, 3)
     assert placement["attempt"] == 2
@@ -380,3 +401,49 @@ def test_a_lease_records_each_evidence_change_and_renewals_at_their_time() -> No
         T0 + timedelta(seconds=s) + MINUTE for s in (1, 2, 3, 20)
     ]
     assert [e.at for e in events] == [T0 + timedelta(seconds=s) for s in (1, 2, 3, 20)]
+
+
+# -- record types ----------------------------------------------------------------------------
+
+
+def _keys(record_type: type[Any]) -> list[str]:
+    """A TypedDict's keys, in declaration order (its bases' first)."""
+    return list(record_type.__annotations__)
+
+
+def test_the_record_types_name_the_keys_the_domain_stores_in_their_order() -> None:
+    """The TypedDicts of stored records are for the type checker only: the records an
+    aggregate writes have exactly their keys, optional ones included, in their order."""
+    runner, lease = new_runner(allocatable=slots(2)), new_lease()
+    sandbox = new_sandbox("s1", [runner.snapshot(lease), new_runner("r2").snapshot(lease)])
+    created: Any = sandbox.collect_events()[0]
+    place(sandbox, runner, lease, LATER)
+    fenced: Any = sandbox.collect_events()[0]
+    reserved: Any = runner.collect_events()[-1]
+    assert list(created.home_decision) == _keys(HomeDecisionRecord)
+    assert [list(c) for c in created.home_decision["candidates"]] == [_keys(CandidateRecord)] * 2
+    assert list(created.home_decision["candidates"][0]["rank"]) == _keys(RankRecord)
+    assert _keys(RankRecord) == list(RANK_FIELDS)
+    assert list(created.home_decision["unlisted"]) == _keys(UnlistedRecord)
+    assert list(created.requirements) == _keys(RequirementsRecord)
+    assert list(fenced.assignment) == _keys(AssignmentRecord)
+    assert set(_keys(AssignmentRecord)) == set(DurableAssignment.model_fields)
+    assert _keys(AssignmentUpdate) == _keys(AssignmentRecord)
+    assert list(fenced.placement) == _keys(PlacementRecord)
+    assert list(fenced.placement["runner"]) == _keys(RunnerSnapshotRecord)
+    assert list(fenced.placement["runner"]["materializations"][0]) == _keys(MaterializationRecord)
+    assert list(lease.materializations[0]) == _keys(MaterializationRecord)
+    assert list(runner.reservations[reserved.reservation]) == _keys(ReservationRecord)
+
+    log = RefusalLog.open("s2", T0)
+    short = RunnerEvaluation("r1", (RuleFailure("capacity", "short", {"instances": 1}),))
+    log.refuse(operation="create_sandbox", generation=1, error="NoCompatibleRunnerError",
+               evaluations=[short], decided_at=T0, heartbeat_timeout=TIMEOUT,
+               unlisted=Unlisted(refused=1, reasons={"draining": 1}),
+               requirements=requirements())  # fmt: skip
+    refused: Any = log.collect_events()[-1]
+    (candidate,) = refused.candidates
+    assert list(candidate) == _keys(CandidateRecord)[:2]  # no rank: refused
+    assert list(candidate["failures"][0]) == _keys(RuleFailureRecord)
+    assert list(refused.unlisted) == _keys(UnlistedRecord)
+    assert list(refused.requirements) == _keys(RequirementsRecord)

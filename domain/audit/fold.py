@@ -28,7 +28,7 @@ from secondbox_scheduler.domain.assignment import STATE_RELEASED, STATE_RUNNING,
 from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse, token_sha256
 from secondbox_scheduler.domain.lease import RunnerLease
 from secondbox_scheduler.domain.limits import MAX_CLOCK_TOLERANCE
-from secondbox_scheduler.domain.placement.evidence import rank_key_from_record
+from secondbox_scheduler.domain.placement.evidence import HomeDecisionRecord, rank_key_from_record
 from secondbox_scheduler.domain.placement.rules import checked_dimensions, evaluate_runner
 from secondbox_scheduler.domain.refusals import RefusalLog
 from secondbox_scheduler.domain.runner import Runner, runner_snapshot
@@ -476,7 +476,7 @@ class AuditFold:
         self.sandbox_streams[event.sandbox_id] = event.originator_id
         self._check_home_decision(event.home_runner_id, event.home_decision)
 
-    def _check_home_decision(self, home: str, decision: dict[str, Any]) -> None:
+    def _check_home_decision(self, home: str, decision: HomeDecisionRecord) -> None:
         """The home decision's own evidence is consistent: the chosen runner is the
         home runner, listed as compatible, and ranks first among the compatible runners
         listed (unlisted runners are only counted: docs/events.md 7.3)."""

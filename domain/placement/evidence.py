@@ -14,9 +14,11 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Literal, NotRequired, TypedDict
 
-# Reason codes of the placement rules (docs/spec.md (section 3)), in the order the rules run.
+from secondbox_scheduler.domain.records import RunnerSnapshotRecord
+
+# Reason codes of the placement rules (docs/spec.md, section 3), in the order the rules run.
 POOL = "pool"
 ARCHITECTURE = "architecture"
 DRAINING = "draining"
@@ -42,22 +44,73 @@ REASON_CODES: tuple[str, ...] = (
     EGRESS,
 )
 
-# The ranking key of a compatible runner, smaller is better (docs/spec.md (section 3) ranking):
+# The ranking key of a compatible runner, smaller is better (docs/spec.md, section 3):
 # (-artifact locality, -free instances, -free vcpu, -free memory, runner id).
 RankKey = tuple[int, int, int, int, str]
+RankField = Literal["artifact_locality", "free_instances", "free_vcpu_count", "free_memory_bytes"]
 # How decision records name the first four parts (as the positive amounts they are).
-RANK_FIELDS = ("artifact_locality", "free_instances", "free_vcpu_count", "free_memory_bytes")
+RANK_FIELDS: tuple[RankField, ...] = (
+    "artifact_locality",
+    "free_instances",
+    "free_vcpu_count",
+    "free_memory_bytes",
+)
 
 
-def rank_record(key: RankKey) -> dict[str, int]:
+class RankRecord(TypedDict, total=False):
+    """The ``rank`` of a candidate record: the ranking key's first four parts by name
+    (:data:`RANK_FIELDS`). :func:`rank_record` writes all four; a reader counts a
+    missing amount as 0 (:func:`rank_key_from_record`)."""
+
+    artifact_locality: int
+    free_instances: int
+    free_vcpu_count: int
+    free_memory_bytes: int
+
+
+def rank_record(key: RankKey) -> RankRecord:
     """The ``rank`` of a candidate record: the ranking key's amounts by name."""
-    return {name: -part for name, part in zip(RANK_FIELDS, key[:4], strict=True)}
+    return {
+        "artifact_locality": -key[0],
+        "free_instances": -key[1],
+        "free_vcpu_count": -key[2],
+        "free_memory_bytes": -key[3],
+    }
 
 
-def rank_key_from_record(runner_id: str, rank: Mapping[str, int] | None) -> tuple[int | str, ...]:
+def rank_key_from_record(runner_id: str, rank: RankRecord | None) -> tuple[int | str, ...]:
     """The ranking key a candidate record states (missing amounts count as 0)."""
-    stated = rank or {}
+    stated: RankRecord = rank or {}
     return (*(-int(stated.get(name, 0)) for name in RANK_FIELDS), runner_id)
+
+
+class RuleFailureRecord(TypedDict):
+    """One rule a runner failed, as decision records carry it (:meth:`RuleFailure.to_record`)."""
+
+    code: str
+    detail: str
+    shortfall: NotRequired[dict[str, int]]  # capacity only: per dimension, how much is missing
+
+
+class CandidateRecord(TypedDict):
+    """One runner's evaluation as decision records carry it (:meth:`RunnerEvaluation.to_record`;
+    ``failures`` empty: compatible), with its ``rank`` when the decision ranked it (a
+    compatible runner of a home decision: :func:`ranked_candidates`)."""
+
+    runner_id: str
+    failures: list[RuleFailureRecord]
+    rank: NotRequired[RankRecord]
+
+
+class UnlistedRecord(TypedDict, total=False):
+    """:meth:`Unlisted.to_record`: the counts of a decision's runners without a candidate
+    record. Written with every key; a reader counts a missing one as 0 (or empty)
+    (:meth:`Unlisted.from_record`)."""
+
+    refused: int
+    compatible: int
+    not_evaluated: int
+    reasons: dict[str, int]  # by reason key (a code, or capacity:<dimension>)
 
 
 @dataclass(frozen=True)
@@ -71,14 +124,14 @@ class RuleFailure:
     detail: str
     shortfall: Mapping[str, int] = field(default_factory=dict)
 
-    def to_record(self) -> dict[str, Any]:
-        record: dict[str, Any] = {"code": self.code, "detail": self.detail}
+    def to_record(self) -> RuleFailureRecord:
+        record: RuleFailureRecord = {"code": self.code, "detail": self.detail}
         if self.shortfall:
             record["shortfall"] = dict(self.shortfall)
         return record
 
     @classmethod
-    def from_record(cls, record: Mapping[str, Any]) -> RuleFailure:
+    def from_record(cls, record: RuleFailureRecord) -> RuleFailure:
         return cls(record["code"], record["detail"], dict(record.get("shortfall", {})))
 
 
@@ -101,14 +154,14 @@ class RunnerEvaluation:
     def failed_only_egress(self) -> bool:
         return self.reason_codes == (EGRESS,)
 
-    def to_record(self) -> dict[str, Any]:
+    def to_record(self) -> CandidateRecord:
         return {
             "runner_id": self.runner_id,
             "failures": [failure.to_record() for failure in self.failures],
         }
 
     @classmethod
-    def from_record(cls, record: Mapping[str, Any]) -> RunnerEvaluation:
+    def from_record(cls, record: CandidateRecord) -> RunnerEvaluation:
         return cls(
             record["runner_id"],
             tuple(RuleFailure.from_record(f) for f in record["failures"]),
@@ -171,7 +224,7 @@ class Unlisted:
     def __bool__(self) -> bool:
         return self.total > 0
 
-    def to_record(self) -> dict[str, Any]:
+    def to_record(self) -> UnlistedRecord:
         return {
             "refused": self.refused,
             "compatible": self.compatible,
@@ -180,7 +233,7 @@ class Unlisted:
         }
 
     @classmethod
-    def from_record(cls, record: Mapping[str, Any] | None) -> Unlisted:
+    def from_record(cls, record: UnlistedRecord | None) -> Unlisted:
         if not record:
             return cls()
         return cls(
@@ -273,15 +326,45 @@ def summarize_refusals(
     return head + ": " + ", ".join(f"{count} {label}" for label, count in parts)
 
 
-# -- decision records (what events carry; docs/events.md section 7) -------------
+class DecisionRecord(TypedDict):
+    """The common part of a placement's evidence (:func:`decision_record`)."""
+
+    decided_at: datetime
+    heartbeat_timeout_seconds: float
+    chosen_runner_id: str
+    candidates: list[CandidateRecord]
+
+
+class HomeDecisionRecord(DecisionRecord):
+    """A home decision's evidence (docs/events.md 7.3; ``Sandbox.Created.home_decision``):
+    bounded candidate records and the counts of the pool's other runners."""
+
+    unlisted: NotRequired[UnlistedRecord]  # absent before bounded evidence (all listed)
+
+
+class PlacementRecord(DecisionRecord):
+    """A fence's evidence (docs/events.md 7.4; ``Sandbox.AssignmentFenced.placement``): the
+    home runner as the placement read it, the versions of its streams it read, what it
+    reserved, and the rules it was judged by."""
+
+    home_runner_id: str
+    runner: RunnerSnapshotRecord  # the runner as it was read
+    runner_version: int
+    lease_version: int
+    requested: dict[str, int]  # Capacity.as_dict()
+    attempt: int
+    clock: NotRequired[datetime]  # the application's clock at the decision (since 0.2)
+    # the placement rules' version (since 0.2; absent from 0.1's stored events, whose
+    # upcast sets 1; read with that default)
+    rules_version: NotRequired[int]
 
 
 def decision_record(
     now: datetime,
     heartbeat_timeout: timedelta,
     chosen: str,
-    candidates: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
+    candidates: list[CandidateRecord] | None = None,
+) -> DecisionRecord:
     """The common part of a placement's evidence: when, with which heartbeat timeout,
     which runner, and the candidate records."""
     return {
@@ -294,7 +377,7 @@ def decision_record(
 
 def ranked_candidates(
     evaluations: Sequence[RunnerEvaluation], ranks: Sequence[RankKey | None]
-) -> list[dict[str, Any]]:
+) -> list[CandidateRecord]:
     """Candidate records; compatible ones carry the ranking keys they were ordered by."""
     records = []
     for evaluation, key in zip(evaluations, ranks, strict=True):

@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
 
 from secondbox_scheduler.domain.errors import (
     EgressContextUnavailableError,
@@ -36,6 +35,7 @@ from secondbox_scheduler.domain.placement.evidence import (
     POOL,
     PREREQUISITE,
     REASON_CODES,
+    HomeDecisionRecord,
     RankKey,
     RuleFailure,
     RunnerEvaluation,
@@ -289,6 +289,9 @@ class PlacementDecision:
         return summarize_refusals(self.evaluations, self.unlisted)
 
 
+# -- decision records (what events carry; docs/events.md section 7) -------------
+
+
 def decide(
     requirements: Requirements,
     runners: Sequence[RunnerSnapshot],
@@ -390,7 +393,7 @@ def select_home_runner(
 
 def home_decision_record(
     decision: PlacementDecision, now: datetime, heartbeat_timeout: timedelta
-) -> dict[str, Any]:
+) -> HomeDecisionRecord:
     """The evidence of a home decision (docs/events.md 7.3): bounded candidate records,
     and ``unlisted`` counts for the pool's runners without a record."""
     assert decision.chosen is not None
@@ -398,6 +401,7 @@ def home_decision_record(
     candidates = ranked_candidates(
         [decision.evaluations[i] for i in kept], [decision.ranks[i] for i in kept]
     )
-    record = decision_record(now, heartbeat_timeout, decision.chosen.id, candidates)
-    record["unlisted"] = decision.unlisted.merged(elided).to_record()
-    return record
+    return {
+        **decision_record(now, heartbeat_timeout, decision.chosen.id, candidates),
+        "unlisted": decision.unlisted.merged(elided).to_record(),
+    }

@@ -28,6 +28,7 @@ from secondbox_scheduler.domain.placement.evidence import (
     GUEST_PROTOCOL,
     HEARTBEAT_STALE,
     PREREQUISITE,
+    CandidateRecord,
     RankKey,
     RunnerEvaluation,
     Unlisted,
@@ -57,7 +58,7 @@ def recorded_keys(evaluation: RunnerEvaluation) -> list[str]:
     return plain or keys
 
 
-def _failures(record: Mapping[str, Any]) -> list[tuple[str, dict[str, int]]]:
+def _failures(record: CandidateRecord) -> list[tuple[str, dict[str, int]]]:
     return [
         (failure["code"], {k: int(v) for k, v in dict(failure.get("shortfall") or {}).items()})
         for failure in record["failures"]
@@ -71,7 +72,7 @@ def _evaluated(evaluation: RunnerEvaluation) -> list[tuple[str, dict[str, int]]]
 Lookup = Callable[[str], "tuple[RunnerEvaluation, RankKey | None] | None"]
 
 
-def compare_candidates(candidates: Sequence[Mapping[str, Any]], lookup: Lookup) -> str | None:
+def compare_candidates(candidates: Sequence[CandidateRecord], lookup: Lookup) -> str | None:
     """Every listed candidate is a runner the replay evaluated (``lookup``: its
     evaluation and rank, None for a runner not in the pool), with the same reason codes
     and capacity shortfalls and, when the record ranks it, the same ranking amounts."""
@@ -109,7 +110,7 @@ class PoolCounts:
 
 
 def compare_home_evidence(
-    candidates: Sequence[Mapping[str, Any]],
+    candidates: Sequence[CandidateRecord],
     unlisted: Unlisted,
     pool: PoolCounts,
     lookup: Lookup,
@@ -166,7 +167,7 @@ def compare_home_evidence(
 
 
 def compare_runner_codes(
-    candidates: Sequence[Mapping[str, Any]],
+    candidates: Sequence[CandidateRecord],
     unlisted: Unlisted,
     snapshots: Mapping[str, RunnerSnapshot],
     runner_codes: Mapping[str, Iterable[str]],
@@ -193,7 +194,7 @@ def compare_runner_codes(
 
 def _pool_codes(
     pool: str,
-    candidates: Sequence[Mapping[str, Any]],
+    candidates: Sequence[CandidateRecord],
     unlisted: Unlisted,
     snapshots: Mapping[str, RunnerSnapshot],
     runner_codes: Mapping[str, Iterable[str]],
@@ -288,8 +289,8 @@ class DecisionView:
 _ORDER = {"chosen": 0, "compatible, ranked lower": 1, "refused": 2}
 
 
-def _lines(records: Iterable[Mapping[str, Any]], chosen: str | None) -> tuple[dict[str, Any], ...]:
-    lines = []
+def _lines(records: Iterable[CandidateRecord], chosen: str | None) -> tuple[dict[str, Any], ...]:
+    lines: list[dict[str, Any]] = []
     for record in records:
         failures = [dict(failure) for failure in record["failures"]]
         if record["runner_id"] == chosen and not failures:
@@ -309,7 +310,7 @@ def _lines(records: Iterable[Mapping[str, Any]], chosen: str | None) -> tuple[di
 
 def recorded_view(
     outcome: str,
-    candidates: Sequence[Mapping[str, Any]],
+    candidates: Sequence[CandidateRecord],
     unlisted: Unlisted,
     *,
     runner_id: str | None = None,

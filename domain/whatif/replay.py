@@ -39,7 +39,12 @@ from secondbox_scheduler.domain.errors import (
 )
 from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
 from secondbox_scheduler.domain.lease import RunnerLease, materialization_snapshots
-from secondbox_scheduler.domain.placement.evidence import RunnerEvaluation, Unlisted, reason_keys
+from secondbox_scheduler.domain.placement.evidence import (
+    CandidateRecord,
+    RunnerEvaluation,
+    Unlisted,
+    reason_keys,
+)
 from secondbox_scheduler.domain.placement.ranking import SEED
 from secondbox_scheduler.domain.placement.rules import evaluate_runner
 from secondbox_scheduler.domain.refusals import RefusalLog
@@ -439,7 +444,7 @@ class WhatIf:
         moment: datetime,
         sandbox: _Sandbox,
         record: Mapping[str, Any],
-        candidates: Sequence[Mapping[str, Any]],
+        candidates: Sequence[CandidateRecord],
         unlisted: Unlisted,
         recorded_home: str | None,
         recorded_error: str | None,
@@ -553,7 +558,7 @@ class WhatIf:
         record: Mapping[str, Any],
         recorded_runner: str | None,
         recorded_error: str | None,
-        candidates: Sequence[Mapping[str, Any]],
+        candidates: Sequence[CandidateRecord],
     ) -> None:
         """Place a sandbox generation again on its counterfactual home; tally it."""
         evaluations: tuple[RunnerEvaluation, ...] = ()
@@ -677,7 +682,7 @@ def _bound(value: int | datetime | None) -> int | str | None:
     return value.isoformat() if isinstance(value, datetime) else value
 
 
-def _listed_keys(candidates: Sequence[Mapping[str, Any]], unlisted: Unlisted) -> Counter[str]:
+def _listed_keys(candidates: Sequence[CandidateRecord], unlisted: Unlisted) -> Counter[str]:
     """Refused runners per reason key, as a home decision's record counts them."""
     keys: Counter[str] = Counter()
     for candidate in candidates:
@@ -690,7 +695,7 @@ def _listed_keys(candidates: Sequence[Mapping[str, Any]], unlisted: Unlisted) ->
 
 
 def _compare_refusal(
-    candidates: Sequence[Mapping[str, Any]], evaluations: Sequence[RunnerEvaluation]
+    candidates: Sequence[CandidateRecord], evaluations: Sequence[RunnerEvaluation]
 ) -> str | None:
     """A refused placement's candidates (the home runner, or none when it is absent)
     against the replay's evaluation of the home runner: ids, codes, shortfalls."""

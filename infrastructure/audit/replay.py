@@ -28,6 +28,8 @@ from secondbox_scheduler.domain.errors import (
 )
 from secondbox_scheduler.domain.ids import lease_uuid, refusal_log_uuid, runner_uuid, sandbox_uuid
 from secondbox_scheduler.domain.placement.evidence import (
+    RankRecord,
+    RuleFailureRecord,
     RunnerEvaluation,
     Unlisted,
     summarize_refusals,
@@ -532,8 +534,8 @@ def timeline(
 class CandidateLine:
     runner_id: str
     verdict: str  # "chosen", "compatible, ranked lower", "refused"
-    reasons: list[dict[str, Any]]
-    rank: dict[str, int] | None = None
+    reasons: list[RuleFailureRecord]
+    rank: RankRecord | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
