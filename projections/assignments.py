@@ -2,7 +2,8 @@
 
 Fed by the Sandbox stream. Queries by sandbox, by runner, by state, and the
 reconciler's "due" query: next_reconcile_at at or before a time and no unexpired
-reconcile claim.
+reconcile claim. Every other event class is ignored with a reason (``IGNORED``); an
+event of an unknown class is counted (:mod:`projections.unknown_events`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ from functools import singledispatchmethod
 from typing import Any
 
 from secondbox_scheduler.domain.assignment import STATE_RELEASED, STATE_RUNNING, STATE_UNCERTAIN
+from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
+from secondbox_scheduler.domain.lease import RunnerLease
+from secondbox_scheduler.domain.refusals import RefusalLog
+from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.domain.values import Capacity, DurableAssignment
 from secondbox_scheduler.projections.row_changes import Insert, RowChange, Update
@@ -146,9 +151,42 @@ class AssignmentsProjection(SqlProjection[AssignmentsView]):
 
     name = "assignments"
 
+    IGNORED = {
+        **dict.fromkeys(
+            (
+                Runner.Registered,
+                Runner.CapacityReserved,
+                Runner.CapacityReleased,
+                Runner.DrainStarted,
+                Runner.DrainCancelled,
+                Runner.AllocatableChanged,
+                Runner.Deregistered,
+                RunnerLease.Opened,
+                RunnerLease.LivenessRenewed,
+                RunnerLease.EvidenceRecorded,
+            ),
+            "a runner's events change no assignment: an assignment's runner and capacity "
+            "are fixed when it is fenced (runner_snapshots keeps the runner's side)",
+        ),
+        Sandbox.Created: (
+            "a sandbox has no assignment row until a generation is fenced "
+            "(Sandbox.AssignmentFenced inserts it)"
+        ),
+        Sandbox.GenerationAdvanced: (
+            "the new generation's row is inserted when it is fenced; the earlier "
+            "generations' rows keep their state"
+        ),
+        **dict.fromkeys(
+            (RefusalLog.Opened, RefusalLog.Refused), "a refusal makes or changes no assignment"
+        ),
+        FencingTokenUse.Used: (
+            "the token is in the row from Sandbox.AssignmentFenced; its index changes no row"
+        ),
+    }
+
     @singledispatchmethod
     def changes(self, event: Any) -> list[RowChange]:
-        return []  # events of other aggregates: only the position moves
+        return self.unhandled(event)  # ignored (only the position moves), or unknown
 
     @changes.register
     def _(self, event: Sandbox.AssignmentFenced) -> list[RowChange]:

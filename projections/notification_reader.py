@@ -4,7 +4,8 @@ The recorder's ``select_notifications`` selects every column as a dictionary row
 text format. A replay reads the whole log, so it uses a narrower query instead: the
 five columns a :class:`~eventsourcing.persistence.Notification` needs, as tuple rows,
 in PostgreSQL's binary format (UUIDs and bytes arrive without parsing text), and
-optionally only the topics the reader handles. It returns the same ``Notification``
+optionally only some topics, or all but some (those the reader ignores: an event of a
+topic it does not know is then read, and can be reported). It returns the same ``Notification``
 objects as the recorder, so the application's mapper decodes them unchanged.
 
 On PostgreSQL this reads the log about three times faster than the recorder (measured
@@ -35,14 +36,16 @@ def read_pages(
     after: int = 0,
     until: int | None = None,
     topics: Sequence[str] = (),
+    excluding: Sequence[str] = (),
     page_size: int = PAGE,
     first_page_size: int | None = None,
     read_ahead: bool = False,
 ) -> Generator[list[Notification], None, None]:
     """Pages of notifications after position ``after`` (up to ``until``, inclusive), in
-    log order; with ``topics``, only notifications of those topics. Stops after the
-    first page shorter than its size (``first_page_size`` for the first, so that a
-    replay starts working early, then ``page_size``).
+    log order; with ``topics``, only notifications of those topics; with ``excluding``,
+    none of those topics. Stops after the first page shorter than its size
+    (``first_page_size`` for the first, so that a replay starts working early, then
+    ``page_size``).
 
     ``read_ahead`` (PostgreSQL only): once a page is full, the next one is read in a
     thread while the caller works on this one. The query runs in the server and its
@@ -50,7 +53,7 @@ def read_pages(
     iterator early waits for at most the one page being read."""
 
     def read(start: int, limit: int) -> tuple[list[Notification], bool]:
-        page = select_page(recorder, start, until, topics, limit)
+        page = select_page(recorder, start, until, topics, limit, excluding)
         return page, len(page) == limit
 
     page, full = read(after, first_page_size or page_size)
@@ -91,16 +94,31 @@ def select_page(
     until: int | None,
     topics: Sequence[str],
     limit: int,
+    excluding: Sequence[str] = (),
 ) -> list[Notification]:
+    """Up to ``limit`` notifications after ``after`` (up to ``until``), of ``topics``
+    (all when empty) and of none of ``excluding``."""
     if isinstance(recorder, PostgresApplicationRecorder):
-        return _postgres_page(recorder, after, until, topics, limit)
+        return _postgres_page(recorder, after, until, topics, limit, excluding)
     if isinstance(recorder, SQLiteApplicationRecorder):
-        return _sqlite_page(recorder, after, until, topics, limit)
-    return list(
-        recorder.select_notifications(
+        return _sqlite_page(recorder, after, until, topics, limit, excluding)
+    if not excluding:
+        return list(
+            recorder.select_notifications(
+                start=after, limit=limit, stop=until, topics=topics, inclusive_of_start=False
+            )
+        )
+    excluded = frozenset(excluding)  # the recorder cannot exclude: filter its pages here
+    found: list[Notification] = []
+    while len(found) < limit:
+        page = recorder.select_notifications(
             start=after, limit=limit, stop=until, topics=topics, inclusive_of_start=False
         )
-    )
+        found += [notification for notification in page if notification.topic not in excluded]
+        if len(page) < limit:
+            break
+        after = page[-1].id
+    return found[:limit]
 
 
 def _postgres_page(
@@ -109,6 +127,7 @@ def _postgres_page(
     until: int | None,
     topics: Sequence[str],
     limit: int,
+    excluding: Sequence[str],
 ) -> list[Notification]:
     statement: Composed = SQL(
         "SELECT notification_id, originator_id, originator_version, topic, state "
@@ -121,6 +140,9 @@ def _postgres_page(
     if topics:
         statement += SQL(" AND topic = ANY(%s)")
         params.append(list(topics))
+    if excluding:
+        statement += SQL(" AND topic <> ALL(%s)")
+        params.append(list(excluding))
     statement += SQL(" ORDER BY notification_id LIMIT %s")
     params.append(limit)
     with (
@@ -146,6 +168,7 @@ def _sqlite_page(
     until: int | None,
     topics: Sequence[str],
     limit: int,
+    excluding: Sequence[str],
 ) -> list[Notification]:
     statement = (
         "SELECT rowid, originator_id, originator_version, topic, state "
@@ -158,6 +181,9 @@ def _sqlite_page(
     if topics:
         statement += f" AND topic IN ({','.join('?' * len(topics))})"
         params.extend(topics)
+    if excluding:
+        statement += f" AND topic NOT IN ({','.join('?' * len(excluding))})"
+        params.extend(excluding)
     statement += " ORDER BY rowid LIMIT ?"
     params.append(limit)
     with recorder.datastore.transaction(commit=False) as cursor:

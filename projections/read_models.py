@@ -2,9 +2,13 @@
 
 Both projections keep their rows and their tracking position in the application's own
 database. ``catch_up`` reads the notification log after each view's position in pages,
-only the topics some projection handles (:func:`handled_topics`), and applies each page
-in one transaction with the position the page reaches (exactly once: a replica that
-loses the race for a page rolls back and reads the new position). A page's row changes
+all but the topics every projection ignores (:func:`ignored_topics`), decodes those some
+projection handles (:func:`handled_topics`), and applies each page in one transaction
+with the position the page reaches (exactly once: a replica that loses the race for a
+page rolls back and reads the new position). A notification of a topic a projection
+neither handles nor ignores (an event class it does not know) is not decoded; it is
+counted for that projection, once its page is applied, and :meth:`ReadModels.status`
+shows the counts (:mod:`projections.unknown_events`). A page's row changes
 are folded into one net change per row before they are written
 (:mod:`projections.row_changes`); a rebuild reads much bigger pages than the inline
 catch-up, so it writes each row about once.
@@ -17,19 +21,19 @@ from __future__ import annotations
 import inspect
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from eventsourcing.application import Application
 from eventsourcing.persistence import IntegrityError, Tracking
 from eventsourcing.postgres import PostgresApplicationRecorder
-from eventsourcing.projection import Projection, ProjectionRunner
+from eventsourcing.projection import ProjectionRunner
 from eventsourcing.sqlite import SQLiteApplicationRecorder
 from eventsourcing.utils import resolve_topic, strtobool
 
-from secondbox_scheduler.domain.event_topics import topics_of
 from secondbox_scheduler.projections.assignments import (
     AssignmentsProjection,
     AssignmentsView,
@@ -46,13 +50,14 @@ from secondbox_scheduler.projections.runner_snapshots import (
     RunnerSnapshotsView,
     SQLiteRunnerSnapshotsView,
 )
-from secondbox_scheduler.projections.sql_view import SqlView
+from secondbox_scheduler.projections.sql_view import SqlProjection, SqlView
+from secondbox_scheduler.projections.unknown_events import topics_of_classes
 
-PAGE = 1000  # notifications of the handled topics per page (and per transaction)
+PAGE = 1000  # notifications not ignored per page (and per transaction)
 READ_CHUNK = 5_000  # notifications per query; the next chunk is read ahead
 REBUILD_PAGE = 20_000  # a rebuild's pages: fewer, bigger transactions, rows written ~once
 
-PROJECTIONS: dict[str, type[Projection[Any]]] = {
+PROJECTIONS: dict[str, type[SqlProjection[Any]]] = {
     "runner_snapshots": RunnerSnapshotsProjection,
     "assignments": AssignmentsProjection,
 }
@@ -68,13 +73,16 @@ VIEWS: dict[str, dict[str, type[SqlView]]] = {
 }
 
 
-def handled_topics(projection_class: type[Projection[Any]]) -> tuple[str, ...]:
+def handled_topics(projection_class: type[SqlProjection[Any]]) -> tuple[str, ...]:
     """The topics of the events registered on the projection's ``changes``
-    (a ``singledispatchmethod``), with their former topics: other events change no row
-    and need not be read."""
-    changes = inspect.getattr_static(projection_class, "changes")
-    registry = changes.dispatcher.registry
-    return tuple(sorted(topic for cls in registry if cls is not object for topic in topics_of(cls)))
+    (a ``singledispatchmethod``), with their former topics: they are decoded."""
+    return tuple(sorted(topics_of_classes(projection_class.handled_events())))
+
+
+def ignored_topics(projection_class: type[SqlProjection[Any]]) -> tuple[str, ...]:
+    """The topics of the events the projection ignores, with their former topics: those
+    that every projection ignores need not be read."""
+    return tuple(sorted(topics_of_classes(projection_class.IGNORED)))
 
 
 def supports_read_models(app: Application[Any]) -> bool:
@@ -88,6 +96,8 @@ class ProjectionStatus:
     position: int
     head: int
     lag_events: int
+    # events of classes the projection does not know, met by this process, by topic
+    unknown_events: Mapping[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -95,6 +105,7 @@ class ProjectionStatus:
             "position": self.position,
             "head": self.head,
             "lag_events": self.lag_events,
+            "unknown_events": dict(self.unknown_events),
         }
 
 
@@ -112,7 +123,7 @@ class ReadModels:
         )
         datastore = app.recorder.datastore  # type: ignore[attr-defined]
         self.views: dict[str, SqlView] = {}
-        self.projections: dict[str, Projection[Any]] = {}
+        self.projections: dict[str, SqlProjection[Any]] = {}
         for name, view_class in VIEWS[module].items():
             view = view_class(datastore)  # type: ignore[call-arg]
             if strtobool(app.env.get("CREATE_TABLE") or "y"):  # off: a role that may not
@@ -124,7 +135,15 @@ class ReadModels:
             name: frozenset(handled_topics(type(projection)))
             for name, projection in self.projections.items()
         }
-        self.topics = tuple(sorted(frozenset().union(*self._topics_of.values())))
+        self._ignored_of = {
+            name: frozenset(ignored_topics(type(projection)))
+            for name, projection in self.projections.items()
+        }
+        decoded: frozenset[str] = frozenset().union(*self._topics_of.values())
+        self._decoded = decoded
+        self.topics = tuple(sorted(decoded))  # handled by some projection: decoded
+        # ignored by every projection: not read
+        self.skipped = tuple(sorted(frozenset.intersection(*self._ignored_of.values())))
         self._decode = EventDecoder(app.mapper)  # learns each topic once, for every catch-up
         self._lock = threading.Lock()
 
@@ -146,27 +165,28 @@ class ReadModels:
     def _pages(
         self, after: int, end: int, page_size: int = PAGE
     ) -> Iterator[tuple[list[tuple[int, str, Any]], int]]:
-        """Pages of the handled notifications in (``after``, ``end``], decoded as
-        (position, topic, domain event), each with the position it reaches: its last
-        notification's, or ``end`` for the last page (the notifications of other topics
-        in between are covered too). The last page may be empty: it moves the positions
-        to ``end``. Read in chunks of at most ``READ_CHUNK``, the next one read ahead
-        while this one is decoded."""
+        """Pages of the notifications in (``after``, ``end``] that some projection does
+        not ignore, as (position, topic, domain event), each with the position it reaches:
+        its last notification's, or ``end`` for the last page (the notifications of other
+        topics in between are covered too). The event is decoded when some projection
+        handles its topic, else it is None (an unknown topic, which may not resolve). The
+        last page may be empty: it moves the positions to ``end``. Read in chunks of at
+        most ``READ_CHUNK``, the next one read ahead while this one is decoded."""
         if after >= end:
             return
-        decode = self._decode
+        decode, decoded = self._decode, self._decoded
         events: list[tuple[int, str, Any]] = []
         size = min(page_size, READ_CHUNK)
         for chunk in read_pages(
             self.app.recorder,
             after=after,
             until=end,
-            topics=self.topics,
+            excluding=self.skipped,
             page_size=size,
             first_page_size=min(size, PAGE),
             read_ahead=True,
         ):
-            events += [(n.id, n.topic, decode(n)) for n in chunk]
+            events += [(n.id, n.topic, decode(n) if n.topic in decoded else None) for n in chunk]
             if len(events) >= page_size:
                 yield events, events[-1][0]
                 events = []
@@ -187,7 +207,8 @@ class ReadModels:
         once, then applied to each view that has not seen it, in one transaction per view
         with the position the page reaches. ``progress`` is called with how many
         positions each page covered. Returns how many notifications were read (those of
-        the handled topics). ``asynchronous_commit``: see :meth:`SqlView.apply`.
+        the topics not every projection ignores). ``asynchronous_commit``: see
+        :meth:`SqlView.apply`.
         """
         with self._lock:
             while True:
@@ -211,13 +232,19 @@ class ReadModels:
         for events, reached in self._pages(after, end, page_size):
             behind = [name for name in self.views if positions[name] < reached]
             nets = {name: self.views[name].net() for name in behind}
-            routes: dict[str, list[tuple[int, NetChanges, Callable[[Any], Any]]]] = {}
-            for name in behind:
-                handlers = self._handlers(self.projections[name], self._topics_of[name])
-                for topic, handler in handlers.items():
-                    routes.setdefault(topic, []).append((positions[name], nets[name], handler))
+            unknown = {name: Counter[str]() for name in behind}
+            route = partial(
+                self._route,
+                {name: (positions[name], nets[name], unknown[name]) for name in behind},
+                {name: self._handlers(self.projections[name], self._topics_of[name])
+                 for name in behind},
+            )  # fmt: skip
+            routes = {topic: route(topic) for topic in self.topics}
             for position, topic, event in events:  # one pass: each event to its views
-                for start, net, handler in routes.get(topic, ()):
+                entries = routes.get(topic)
+                if entries is None:  # a topic no projection handles
+                    entries = routes[topic] = route(topic)
+                for start, net, handler in entries:
                     if position > start:
                         net.extend(handler(event))
             for name in behind:
@@ -229,20 +256,40 @@ class ReadModels:
                     asynchronous_commit=asynchronous_commit,
                 )
                 positions[name] = reached
+                self.projections[name].unknown_events.add(unknown[name])
             read += len(events)
             progress(reached - after)
             after = reached
         return read
 
+    def _route(
+        self,
+        behind: Mapping[str, tuple[int, NetChanges, Counter[str]]],
+        handlers: Mapping[str, Mapping[str, Callable[[Any], Any]]],
+        topic: str,
+    ) -> list[tuple[int, NetChanges, Callable[[Any], Any]]]:
+        """For each view behind (its position, net changes and unknown events), the
+        handler of ``topic``: its projection's; none when it ignores the topic; else one
+        that counts an event of a class it does not know."""
+        found = []
+        for name, (position, net, unknown) in behind.items():
+            handler = handlers[name].get(topic)
+            if handler is None:
+                if topic in self._ignored_of[name]:
+                    continue
+                handler = partial(_count, unknown, topic)
+            found.append((position, net, handler))
+        return found
+
     @staticmethod
     def _handlers(
-        projection: Projection[Any], topics: frozenset[str]
+        projection: SqlProjection[Any], topics: frozenset[str]
     ) -> dict[str, Callable[[Any], Any]]:
         """Each handled topic's ``changes`` handler, resolved once per page rather than
         by ``singledispatchmethod`` per event (unless ``changes`` is replaced on the
         instance, as a test does)."""
         if "changes" in vars(projection):
-            changes = projection.changes  # type: ignore[attr-defined]
+            changes = projection.changes
             return dict.fromkeys(topics, changes)
         dispatch = inspect.getattr_static(type(projection), "changes").dispatcher.dispatch
         return {topic: partial(dispatch(resolve_topic(topic)), projection) for topic in topics}
@@ -253,24 +300,31 @@ class ReadModels:
             view.wait(self.app.name, position, timeout=timeout)
 
     def status(self) -> list[ProjectionStatus]:
-
+        """Each view's position, the log's head, its lag, and the events of unknown
+        classes its projection met in this process (since it started or was cleared)."""
         head = self.app.recorder.max_notification_id() or 0
         statuses = []
         for name in self.views:
             position = self.position(name)
             statuses.append(
                 ProjectionStatus(
-                    name, position, head, count_events_after(self.app.recorder, position)
+                    name,
+                    position,
+                    head,
+                    count_events_after(self.app.recorder, position),
+                    self.projections[name].unknown_events.counts(),
                 )
             )
         return statuses
 
     def clear(self) -> None:
-        """Forget every row and position (a rebuild then starts from zero)."""
+        """Forget every row and position (a rebuild then starts from zero), and the
+        unknown events met (a rebuild meets them again)."""
         with self._lock:
-            for view in self.views.values():
+            for name, view in self.views.items():
                 view.clear(self.app.name)
                 view.ensure_position(self.app.name)
+                self.projections[name].unknown_events.clear()
 
 
 def projection_runners(
@@ -289,6 +343,13 @@ def projection_runners(
         )
         for name, view_class in VIEWS[module].items()
     ]
+
+
+def _count(counts: Counter[str], topic: str, event: Any) -> tuple[()]:
+    """The handler of an event of a topic the projection does not know: no row changes;
+    the event is counted."""
+    counts[topic] += 1
+    return ()
 
 
 def timed(operation: Callable[[], int]) -> tuple[int, float]:

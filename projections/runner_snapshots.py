@@ -2,7 +2,9 @@
 
 Fed by the Runner stream (registration, reservations, drain, allocatable,
 deregistration) and the RunnerLease stream (heartbeats and evidence). Indexed by
-(pool_name, architecture), which is how ``create_sandbox`` asks for candidates.
+(pool_name, architecture), which is how ``create_sandbox`` asks for candidates. Every
+other event class is ignored with a reason (``IGNORED``); an event of an unknown class
+is counted (:mod:`projections.unknown_events`).
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ import json
 from functools import singledispatchmethod
 from typing import Any, ClassVar
 
+from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
 from secondbox_scheduler.domain.ids import lease_uuid
 from secondbox_scheduler.domain.lease import RunnerLease, materialization_snapshots
+from secondbox_scheduler.domain.refusals import RefusalLog
 from secondbox_scheduler.domain.runner import Runner
+from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.domain.values import (
     DRAIN_PHASE_ACTIVE,
     DRAIN_PHASE_DRAINING,
@@ -142,9 +147,36 @@ class RunnerSnapshotsProjection(SqlProjection[RunnerSnapshotsView]):
 
     name = "runner_snapshots"
 
+    IGNORED = {
+        RunnerLease.Opened: (
+            "the row and its lease id are made at Runner.Registered, its heartbeat and "
+            "evidence empty; opening the lease sets none of them"
+        ),
+        **dict.fromkeys(
+            (
+                Sandbox.Created,
+                Sandbox.AssignmentFenced,
+                Sandbox.AssignmentRunning,
+                Sandbox.AssignmentReleased,
+                Sandbox.AssignmentFailed,
+                Sandbox.ReconcileClaimed,
+                Sandbox.ReconcileClaimReleased,
+                Sandbox.AssignmentUncertain,
+                Sandbox.ReconcileScheduled,
+                Sandbox.GenerationAdvanced,
+            ),
+            "a sandbox's events change no runner row: the runner's own stream records what "
+            "it reserves and releases (Runner.CapacityReserved, Runner.CapacityReleased)",
+        ),
+        **dict.fromkeys(
+            (RefusalLog.Opened, RefusalLog.Refused), "a refusal reserves nothing on a runner"
+        ),
+        FencingTokenUse.Used: "the index of fencing tokens used changes no runner",
+    }
+
     @singledispatchmethod
     def changes(self, event: Any) -> list[RowChange]:
-        return []  # events of other aggregates: only the position moves
+        return self.unhandled(event)  # ignored (only the position moves), or unknown
 
     @changes.register
     def _(self, event: Runner.Registered) -> list[RowChange]:

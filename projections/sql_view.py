@@ -18,8 +18,9 @@ microseconds), which sorts and compares correctly as text on both databases.
 
 from __future__ import annotations
 
+import inspect
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any, ClassVar, TypeVar
 
@@ -27,9 +28,11 @@ from eventsourcing.persistence import IntegrityError, Tracking, TrackingRecorder
 from eventsourcing.postgres import PostgresDatastore, PostgresTrackingRecorder
 from eventsourcing.projection import Projection
 from eventsourcing.sqlite import SQLiteDatastore, SQLiteTrackingRecorder
+from eventsourcing.utils import get_topic
 from psycopg.sql import SQL, Composable, Composed, Identifier
 
 from secondbox_scheduler.projections.row_changes import Encoders, Key, NetChanges, RowChange
+from secondbox_scheduler.projections.unknown_events import UnknownEvents
 
 COPY_MIN_ROWS = 64  # PostgreSQL: from this many inserted rows, COPY instead of INSERTs
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
@@ -182,10 +185,35 @@ class SqlProjection(Projection[TView]):
     """A projection whose handlers (``changes``, a ``singledispatchmethod`` in each
     subclass) turn an event into row changes of its :class:`SqlView`. The live runner
     (``projections run``) applies one event's changes per transaction; catch-up and
-    rebuild call the handlers directly and fold a batch (``projections.read_models``)."""
+    rebuild call the handlers directly and fold a batch (``projections.read_models``).
+
+    Each subclass accounts for every event class the aggregates record: a handler
+    registered on ``changes`` (:meth:`handled_events`) or a reason in :attr:`IGNORED`.
+    ``changes``'s default handler is :meth:`unhandled`: an event of a class in neither
+    changes no row and is counted in :attr:`unknown_events`
+    (:mod:`projections.unknown_events`)."""
+
+    IGNORED: ClassVar[Mapping[type[Any], str]] = {}  # event class -> why it changes no row
+
+    def __init__(self, view: TView) -> None:
+        super().__init__(view)
+        self.unknown_events = UnknownEvents(self.name)
+
+    @classmethod
+    def handled_events(cls) -> frozenset[type[Any]]:
+        """The event classes registered on ``changes``."""
+        changes = inspect.getattr_static(cls, "changes")
+        return frozenset(c for c in changes.dispatcher.registry if c is not object)
 
     def changes(self, event: Any) -> list[RowChange]:
         raise NotImplementedError
+
+    def unhandled(self, event: Any) -> list[RowChange]:
+        """The changes of an event no handler is registered for: none. Unless its class
+        is ignored, it is counted as unknown."""
+        if type(event) not in self.IGNORED:
+            self.unknown_events.add({get_topic(type(event)): 1})
+        return []
 
     def process_event(self, domain_event: Any, tracking: Tracking) -> None:
         self.view.apply(self.changes(domain_event), tracking)

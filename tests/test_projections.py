@@ -130,7 +130,7 @@ def test_a_failure_inside_processing_applies_nothing_twice(store: Store, clock: 
     read_models = read_models_of(reader)
     read_models.clear()
     projection = read_models.projections["runner_snapshots"]
-    real = projection.changes  # type: ignore[attr-defined]
+    real = projection.changes
     seen = {"count": 0}
 
     def failing(event: Any) -> Any:
@@ -139,12 +139,12 @@ def test_a_failure_inside_processing_applies_nothing_twice(store: Store, clock: 
             raise RuntimeError("crash inside processing")
         return real(event)
 
-    projection.changes = failing  # type: ignore[attr-defined]
+    projection.changes = failing  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="crash"):
         read_models.catch_up()
     position = read_models.position("runner_snapshots")
     assert position < writer.head_position(), "the failed page was not recorded"
-    projection.changes = real  # type: ignore[attr-defined]
+    projection.changes = real  # type: ignore[method-assign]
     read_models.catch_up()
     assert projected(reader) == folded(writer)
 

@@ -32,9 +32,9 @@ from secondbox_scheduler.domain.placement.rules import checked_dimensions, decid
 from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.domain.values import Capacity, Requirements, RunnerSnapshot
 from secondbox_scheduler.domain.whatif.changes import WhatIfChanges
+from secondbox_scheduler.domain.whatif.engine import WhatIf
 from secondbox_scheduler.domain.whatif.fleet import Fleet, FleetRunner, capacity_of
 from secondbox_scheduler.domain.whatif.pools import PoolView
-from secondbox_scheduler.domain.whatif.replay import WhatIf
 from secondbox_scheduler.domain.whatif.report import (
     MOVED,
     PLACED_TO_REFUSED,

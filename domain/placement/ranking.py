@@ -3,7 +3,7 @@
 docs/spec.md (section 3) fixes one ranking, the seed's (:class:`SeedRanking`): artifact locality,
 then free instances, vCPU and memory (most first), then id. It is the default of
 ``select_runner`` and ``decide`` and the only one the scheduler itself decides with.
-The what-if replay (``domain/whatif/replay.py``) can replay a recorded history under another
+The what-if replay (``domain/whatif/engine.py``) can replay a recorded history under another
 one: :class:`BinPacking` (least free capacity first) and :class:`Spread` (least
 utilised first) are built in, and any object with a ``name`` and a ``key`` method is a
 policy (:class:`RankingPolicy`).

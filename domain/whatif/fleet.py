@@ -1,7 +1,7 @@
 """One world of a what-if replay: its runners, their leases, pools and reservations.
 
 A :class:`Fleet` holds plain state (no aggregate) and keeps its pools' utilisation
-(:class:`~.whatif_usage.PoolUsage`). The replay keeps two: the recorded fleet (the
+(:class:`~.usage.PoolUsage`). The replay keeps two: the recorded fleet (the
 reservations as the log has them) and the counterfactual one, whose reservations the
 replay's own decisions make. Rules the aggregates enforce hold here too: a reservation
 must fit (the replay reserves only after the placement rules passed, and any breach is

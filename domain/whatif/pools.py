@@ -7,11 +7,11 @@ pool with the same requirements, while only a few runners change in between, so 
 timeout, every runner's evaluation and the counts the evidence needs, and re-evaluates
 only the runners that changed (the fleet marks them) or whose heartbeat went stale since
 (a heap of expiry times). The best compatible runner is the top of a heap ordered by the
-ranking policy. Each entry gives the verdict ``placement.evaluate_runner`` and the
-policy give for the runner's current snapshot at the decision's time (the same reason
-codes, shortfalls and ranks; a kept entry's words may name an earlier time), so the
-decision is ``placement.decide``'s over the whole pool (``tests/test_whatif.py`` checks
-that both agree).
+ranking policy. Each entry gives the verdict ``evaluate_runner``
+(``domain/placement/rules.py``) and the policy give for the runner's current snapshot at
+the decision's time (the same reason codes, shortfalls and ranks; a kept entry's words
+may name an earlier time), so the decision is ``decide``'s over the whole pool
+(``tests/test_whatif.py`` checks that both agree).
 """
 
 from __future__ import annotations

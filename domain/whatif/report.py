@@ -6,6 +6,11 @@ moved to another runner, refused with another error, or skipped (its sandbox was
 created in the counterfactual). The first difference is named by position; the first
 :data:`SHOWN_CHANGES` changed decisions keep both sides' evidence. Refusals are counted
 by error and by reason key before (the record) and after (the replay).
+
+Events of a class the replay neither handles nor ignores (not in the catalogue of
+``domain/event_catalogue.py``: written by another release, say) are not replayed; they
+are counted by topic (``unknown_events``), and a report with any is not
+:attr:`~WhatIfReport.identical`: the decisions that depend on them cannot be checked.
 """
 
 from __future__ import annotations
@@ -117,13 +122,14 @@ class WhatIfReport:
     held_to_end: int = 0
     allocatable_waits: int = 0
     invariant_violations: list[str] = field(default_factory=list)
-    unknown_events: dict[str, int] = field(default_factory=dict)  # not replayed: by class
+    unknown_events: dict[str, int] = field(default_factory=dict)  # not replayed: by topic
     changed_decisions: list[ChangedDecision] = field(default_factory=list)
 
     @property
     def identical(self) -> bool:
-        """Every replayed decision reproduced its record."""
-        return self.reproduced == self.decisions
+        """Every replayed decision reproduced its record, and every event was replayed
+        (none of an unknown class)."""
+        return self.reproduced == self.decisions and not self.unknown_events
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -3,7 +3,7 @@
 :func:`whatif` reads the notification log as ``audit verify`` does
 (``projections.notification_reader.read_pages`` with read-ahead, decoded by
 ``projections.event_decoder.EventDecoder``, the garbage collector paused) and feeds
-every event to the pure engine :class:`domain.whatif.WhatIf`. Nothing is written to the
+every event to the pure engine :class:`domain.whatif.engine.WhatIf`. Nothing is written to the
 store. :func:`load_changes` reads changes from a JSON or YAML file, and
 :func:`resolve_policy` finds a ranking policy by name, built in (``seed``,
 ``binpack``, ``spread``) or a user's own (``package.module:attribute``).
@@ -32,7 +32,7 @@ from eventsourcing.utils import TopicError, resolve_topic
 from secondbox_scheduler.domain.errors import InvalidRequestError
 from secondbox_scheduler.domain.placement.ranking import POLICIES, RankingPolicy
 from secondbox_scheduler.domain.whatif.changes import WhatIfChanges
-from secondbox_scheduler.domain.whatif.replay import WhatIf
+from secondbox_scheduler.domain.whatif.engine import WhatIf
 from secondbox_scheduler.domain.whatif.report import WhatIfReport
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.projections.event_decoder import EventDecoder

@@ -59,13 +59,22 @@ def _read_models(database_url: str) -> tuple[SchedulerApplication, ReadModels]:
 
 
 def _status_table(statuses: list[ProjectionStatus]) -> Table:
+    """Position, head and lag of each projection; with a column of the events of unknown
+    classes when some projection met any (by topic: not projected, see
+    projections/unknown_events.py)."""
+    unknown = any(status.unknown_events for status in statuses)
     table = Table(title="Projections", box=box.SIMPLE)
     for column in ("projection", "position", "head", "lag (events)"):
         table.add_column(column, justify="left" if column == "projection" else "right")
+    if unknown:
+        table.add_column("unknown events (not projected)", style="red")
     for status in statuses:
-        table.add_row(
-            status.name, f"{status.position:,}", f"{status.head:,}", f"{status.lag_events:,}"
-        )
+        row = [status.name, f"{status.position:,}", f"{status.head:,}", f"{status.lag_events:,}"]
+        if unknown:
+            row.append(
+                ", ".join(f"{topic} {n:,}" for topic, n in status.unknown_events.items()) or "-"
+            )
+        table.add_row(*row)
     return table
 
 

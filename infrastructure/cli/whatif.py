@@ -153,7 +153,11 @@ def audit_whatif(
         print_json(result.to_dict())
     else:
         print_report(result, stdout())
-    if (changes.is_identity and not report.identical) or report.invariant_violations:
+    if (
+        (changes.is_identity and not report.identical)
+        or report.invariant_violations
+        or report.unknown_events
+    ):
         raise typer.Exit(1)
 
 
@@ -240,7 +244,11 @@ def print_report(result: WhatIfResult, console: Console) -> None:
     for violation in report.invariant_violations:
         console.print(f"[red]invariant violated[/red] {escape(violation)}")
     if report.unknown_events:
-        console.print(f"events not replayed (unknown kinds): {report.unknown_events}")
+        count = sum(report.unknown_events.values())
+        console.print(
+            f"[red]not reproduced[/red]: {count:,} events of unknown kinds were not replayed "
+            + escape(str(report.unknown_events))
+        )
     console.print(_refusal_table(report.refusals, "Refusals by error", "error"))
     console.print(_refusal_table(report.reasons, "Refused runners by reason code", "reason"))
     console.print(_utilisation_table(report.utilisation))

@@ -7,7 +7,10 @@
   up themselves (``SECONDBOX_READ_MODELS=on``, the default), the probe catches them up
   first, as the next query would, and then measures; with ``external`` it only
   measures, since queries then answer from the tables as they are. 200 when ready,
-  else 503 with ``Retry-After``; the body says which check failed either way.
+  else 503 with ``Retry-After``; the body says which check failed either way. Each
+  projection's ``unknown_events`` counts, by topic, the events of classes it does not
+  know that this process met (not projected: ``projections/unknown_events.py``); they
+  are shown, not a readiness failure (a newer release may write them during an upgrade).
 - ``/metrics``: the Prometheus text format of the service's registry
   (:mod:`secondbox_scheduler.infrastructure.metrics`, the HTTP request histogram, and
   the process collectors).
@@ -44,6 +47,11 @@ class ReadModelLag(BaseModel):
     position: int
     head: int
     lag_events: int
+    unknown_events: dict[str, int] = Field(
+        default_factory=dict,
+        description="Events of classes the projection does not know (by topic), met by "
+        "this process: not projected, reported (not a readiness failure).",
+    )
 
 
 class Readiness(BaseModel):
