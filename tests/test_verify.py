@@ -131,7 +131,7 @@ def plant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variable: str) -> Non
 
 def small_run(postgres_server: Any, tmp_path: Path) -> FaultRunConfig:
     return FaultRunConfig(
-        database_url=postgres_server.url(), workers=2, duration=6.0, runners=3,
+        database_url=postgres_server.url(), workers=2, duration=8.0, runners=3,
         sandboxes=30, kill_workers=0, log_dir=tmp_path / "logs",
     )  # fmt: skip
 
