@@ -2,7 +2,8 @@
 
 A value past a limit is refused with :class:`InvalidRequestError` naming the field and
 the rule, before anything is written. Identifiers and names are short, printable
-Unicode (no control characters, no lone surrogates, which no store can encode); free
+Unicode (no control, format, separator, private-use or unassigned characters, no lone
+surrogates, which no store can encode, no leading or trailing whitespace); free
 text (map values) may be longer; collections are bounded so that no event, snapshot or
 read-model row can be made arbitrarily large by a caller.
 """
@@ -30,11 +31,27 @@ DEFAULT_CLOCK_TOLERANCE = timedelta(seconds=5)
 MAX_CLOCK_TOLERANCE = timedelta(seconds=300)  # also what audit verify allows a record
 
 
+# Categories an identifier may not contain (docs/spec.md, "Limits"): characters that
+# print as nothing, or as something else, so that two ids could look alike.
+_NAME_REFUSED_CATEGORIES = {
+    "Cc": "control characters",
+    "Cf": "format characters (invisible or reordering, e.g. U+202E, U+200D, U+FEFF)",
+    "Zl": "line or paragraph separators",
+    "Zp": "line or paragraph separators",
+    "Co": "private-use characters",
+    "Cn": "unassigned characters or noncharacters",
+}
+
+
 def text_problem(value: str, *, max_length: int, name: bool) -> str | None:
     """Why ``value`` is not acceptable text (None: it is). ``name``: an identifier-like
-    value, which must also be free of every control character."""
+    value, which must also be free of every control, format, separator (other than an
+    inner space), private-use and unassigned character, and must not begin or end with
+    whitespace: no two accepted ids look alike."""
     if len(value) > max_length:
         return f"must be at most {max_length} characters (got {len(value)})"
+    if name and value != value.strip():
+        return "must not begin or end with whitespace"
     if value.isprintable():  # no control, format or surrogate character: the usual case
         return None
     if "\x00" in value:
@@ -43,8 +60,9 @@ def text_problem(value: str, *, max_length: int, name: bool) -> str | None:
         category = unicodedata.category(character)
         if category == "Cs":
             return "must be valid Unicode (a lone surrogate cannot be stored)"
-        if name and category == "Cc":
-            return f"must not contain control characters (found {character!r})"
+        if name and category in _NAME_REFUSED_CATEGORIES:
+            kind = _NAME_REFUSED_CATEGORIES[category]
+            return f"must not contain {kind} (found U+{ord(character):04X}, {category})"
     return None
 
 

@@ -338,3 +338,24 @@ def test_every_command_has_teaching_help(command: str) -> None:
     assert f"secondbox-scheduler {command}" in result.stdout
     assert "--database-url" in result.stdout
     assert "--json" in result.stdout
+
+
+@pytest.mark.parametrize("json_output", [False, True], ids=["table", "json"])
+def test_simulate_exits_1_when_the_ledger_differs_from_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, json_output: bool
+) -> None:
+    """A run whose reservations differ from the store is a failed run, not a summary."""
+    import dataclasses
+
+    from secondbox_scheduler.infrastructure.cli import simulate as simulate_cli
+
+    real = run_simulation
+
+    def differing(*args: Any, **kwargs: Any) -> Any:
+        return dataclasses.replace(real(*args, **kwargs), ledger_matches_store=False)
+
+    monkeypatch.setattr(simulate_cli, "run_simulation", differing)
+    args = ["simulate", "--database-url", url_for(tmp_path), *TINY]
+    result = invoke(*args, *(["--json"] if json_output else []))
+    assert result.exit_code == 1, (result.exit_code, result.output)
+    assert "DIFFER" in result.stdout + result.stderr or json_output

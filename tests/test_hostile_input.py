@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from secondbox_scheduler.domain import InvalidRequestError, ScheduleRequest, SchedulerError
+from secondbox_scheduler.domain.limits import MAX_NAME_LENGTH, text_problem
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from tests.conftest import T0, Clock
 from tests.factories import create_sandbox, register, schedule_request, token
@@ -25,7 +26,9 @@ HOSTILE_TEXT = st.one_of(
     st.lists(st.text(max_size=3), max_size=2),
 )
 WEIRD_BUT_VALID_TEXT = st.one_of(
-    st.text(min_size=1, max_size=40).filter(lambda s: "\x00" not in s),
+    st.text(min_size=1, max_size=40).filter(
+        lambda s: text_problem(s, max_length=MAX_NAME_LENGTH, name=True) is None
+    ),
     st.just("é" * 5000),
 )
 BAD_CAPACITY = st.dictionaries(

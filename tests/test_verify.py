@@ -4,6 +4,7 @@ and the probes themselves, on one store, deterministically."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ def test_concurrent_replicas_with_kills_keep_every_promise(
     )
     report = run_fault_injection(config)
     assert report.ok, report.violations
+    assert report.faults == 0, report.to_dict()  # a healthy system: no exception at all
     assert report.kills == 3
     assert sum(report.misbehaviours.values()) > 0
     assert any(name.startswith("reserve past free") for name in report.probes)
@@ -89,9 +91,71 @@ def test_a_run_with_batching_off_keeps_every_promise(postgres_server: Any) -> No
     )
     report = run_fault_injection(config)
     assert report.ok, report.violations
+    assert report.faults == 0, report.to_dict()
     assert report.acknowledged_schedules > 0
     assert set(report.batch_sizes) == {1}  # one placement per transaction
     assert report.to_dict()["batching"] == "off"
+
+
+# Started in each worker process (a sitecustomize module on PYTHONPATH, so that nothing
+# in the package exists only for tests): every other mark_running raises a KeyError, a
+# bug, not a refusal; with SECONDBOX_TEST_WORKER_EXIT set, a worker exits 3 when done.
+PLANTED_BUG = """
+import atexit, itertools, os
+from secondbox_scheduler.infrastructure.application import SchedulerApplication
+
+_calls = itertools.count()
+_mark_running = SchedulerApplication.mark_running
+
+def mark_running(self, *args, **kwargs):
+    if next(_calls) % 2 == 0:
+        raise KeyError("planted in mark_running")
+    return _mark_running(self, *args, **kwargs)
+
+if os.environ.get("SECONDBOX_TEST_PLANT_KEYERROR"):
+    SchedulerApplication.mark_running = mark_running
+if os.environ.get("SECONDBOX_TEST_WORKER_EXIT"):
+    atexit.register(os._exit, 3)
+"""
+
+
+def plant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variable: str) -> None:
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(PLANTED_BUG)
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(hooks), os.environ.get("PYTHONPATH")]))
+    )
+    monkeypatch.setenv(variable, "1")
+
+
+def small_run(postgres_server: Any, tmp_path: Path) -> FaultRunConfig:
+    return FaultRunConfig(
+        database_url=postgres_server.url(), workers=2, duration=8.0, runners=3,
+        sandboxes=30, kill_workers=0, log_dir=tmp_path / "logs",
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_an_unexpected_exception_in_a_worker_is_a_violation(
+    postgres_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plant(tmp_path, monkeypatch, "SECONDBOX_TEST_PLANT_KEYERROR")
+    report = run_fault_injection(small_run(postgres_server, tmp_path))
+    assert not report.ok, report.to_dict()
+    assert any("KeyError" in violation for violation in report.violations), report.violations
+    assert report.faults == 0, report.to_dict()  # a bug is not a fault of the environment
+    assert report.to_dict()["ok"] is False
+
+
+@pytest.mark.slow
+def test_a_worker_exiting_non_zero_is_a_violation(
+    postgres_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plant(tmp_path, monkeypatch, "SECONDBOX_TEST_WORKER_EXIT")
+    report = run_fault_injection(small_run(postgres_server, tmp_path))
+    assert not report.ok, report.to_dict()
+    assert any("exit code 3" in violation for violation in report.violations), report.violations
 
 
 def test_every_unanswered_intent_of_a_killed_worker_is_retried(tmp_path: Path) -> None:

@@ -59,7 +59,8 @@ SIMULATE_HELP = (
     "Prints placements, replays, refusals by error and by reason code, reconcile passes and "
     "actions, manual releases, assignments by final state, utilisation per pool and per "
     "runner (at the end and peak), contention retries, heartbeats recorded and coalesced, "
-    "events written and the wall time. Defaults finish in well under a minute on SQLite."
+    "events written and the wall time. Defaults finish in well under a minute on SQLite. "
+    "Exits 1 when the run's reservations differ from the store's (the ledger check)."
 )
 EXAMPLES_SIMULATE = (
     "[bold]Examples[/bold]\n\n"
@@ -139,6 +140,10 @@ def simulate(
         print_json(result.to_dict())
     else:
         print_summary(result, stdout())
+    if not result.ledger_matches_store:
+        # The run's own ledger of reservations and the store disagree: a failed run.
+        err.print("error: the simulation's reservations DIFFER from the store")
+        raise typer.Exit(1)
 
 
 def _use_cell(use: DimensionUse, scale: int = 1) -> str:

@@ -81,6 +81,10 @@ def check(
                     report.refusals[record["error"]] += 1
                 elif kind == "fault":
                     report.faults += 1
+                elif kind == "unexpected":
+                    report.violations.append(
+                        f"worker {worker['index']}: unexpected exception {record['error']}"
+                    )
                 elif kind == "start":
                     add_stats(report, last_stats)
                     last_stats = {}

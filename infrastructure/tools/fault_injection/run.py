@@ -116,6 +116,11 @@ def run_fault_injection(
             if kill_times and time.time() >= kill_times[0]:
                 kill_times.pop(0)
                 victim = rng.randrange(config.workers)
+                crashed = processes[victim].poll()  # exited before the kill: not the kill's
+                if crashed:
+                    report.violations.append(
+                        f"worker {victim} exited with exit code {crashed} (see worker-{victim}.log)"
+                    )
                 processes[victim].kill()
                 processes[victim].wait()
                 report.kills += 1
@@ -128,11 +133,18 @@ def run_fault_injection(
                     say("restarted PostgreSQL")
                 else:
                     say("could not restart PostgreSQL on this machine; skipped")
-        for process in processes:
+        for index, process in enumerate(processes):
             try:
-                process.wait(timeout=120)
+                code = process.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 process.kill()
+                process.wait()
+                report.violations.append(f"worker {index} did not finish (killed after 120 s)")
+                continue
+            if code != 0:  # the workers the run killed on purpose were replaced
+                report.violations.append(
+                    f"worker {index} exited with exit code {code} (see worker-{index}.log)"
+                )
         say("workers done; checking")
         check(url, configs, report, adversarial=config.profile == "adversarial")
     finally:

@@ -19,6 +19,9 @@ Under the ``adversarial`` profile it also misbehaves on purpose now and then
 (:mod:`.adversary`: each misbehaviour must be refused as documented and write nothing)
 and probes the Runner aggregate's own guards on the live state (:mod:`.probes`); both
 are journaled (``misbehaviour`` and ``probe`` records) for the final checks.
+
+An exception that is neither a typed refusal nor the store's fault is journaled as
+``unexpected`` (a violation in the final checks), and the worker carries on.
 """
 
 from __future__ import annotations
@@ -27,11 +30,15 @@ import json
 import random
 import sys
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
+
+import psycopg
+from eventsourcing.persistence import InterfaceError, OperationalError
 
 from secondbox_scheduler.domain.errors import SchedulerError
 from secondbox_scheduler.domain.values import DurableAssignment, ScheduleRequest
@@ -51,6 +58,11 @@ GROUP = 8  # at most this many of the worker's sandboxes scheduled at once (batc
 JOURNALED = "journaled_by_worker"  # set on a refusal already written to the journal
 
 Outcome = tuple[DurableAssignment, bool] | SchedulerError
+
+# The store's own faults (PostgreSQL restarting, a connection lost), journaled as
+# ``fault``: expected when the run restarts PostgreSQL. Every other exception that is not
+# a typed refusal (SchedulerError) is a bug, journaled as ``unexpected``: a violation.
+STORE_FAULTS = (OperationalError, InterfaceError, psycopg.OperationalError, psycopg.InterfaceError)
 
 
 class Worker:
@@ -262,8 +274,13 @@ class Worker:
             except SchedulerError as error:
                 if not getattr(error, JOURNALED, False):
                     self.write({"kind": "refused", "error": type(error).__name__})
-            except Exception as error:  # PostgreSQL restarting, connection lost, ...
+            except STORE_FAULTS as error:  # PostgreSQL restarting, connection lost, ...
                 self.write({"kind": "fault", "error": f"{type(error).__name__}: {error}"[:200]})
+                time.sleep(0.5)
+                pending = self.in_flight_from_journal()
+            except Exception as error:  # a bug: neither a typed refusal nor the store's fault
+                self.write({"kind": "unexpected", "error": f"{type(error).__name__}: {error}"[:200],
+                            "traceback": traceback.format_exc()[-2000:]})  # fmt: skip
                 time.sleep(0.5)
                 pending = self.in_flight_from_journal()
             self.ops += 1
