@@ -22,6 +22,10 @@ MAX_ITEMS = 64  # capabilities, egress contexts, digests, materializations, map 
 MAX_PROOF_ENTRIES = 16
 MAX_PROOF_VALUE_LENGTH = 1024
 MAX_HEARTBEAT_TIMEOUT = timedelta(days=1)
+# The most a runner may have reserved on any one dimension, checked or not (the read
+# models store reserved totals as BIGINT): with "physical-storage-admission" disk is not
+# checked against allocatable, and this alone bounds the sum of its reservations.
+MAX_RESERVED_TOTAL = 2**63 - 1
 MAX_CLAIM_DURATION = timedelta(hours=1)  # claim_reconcile: until - now
 MAX_DEADLINE_AHEAD = timedelta(days=7)  # ScheduleRequest deadlines after its now
 MAX_RETRY_LIMIT = 1000  # an assignment's failure retries
