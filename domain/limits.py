@@ -10,7 +10,7 @@ read-model row can be made arbitrarily large by a caller.
 from __future__ import annotations
 
 import unicodedata
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 from secondbox_scheduler.domain.errors import InvalidRequestError
 
@@ -30,6 +30,10 @@ MAX_CLAIM_DURATION = timedelta(hours=1)  # claim_reconcile: until - now
 MAX_DEADLINE_AHEAD = timedelta(days=7)  # ScheduleRequest deadlines after its now
 MAX_RETRY_LIMIT = 1000  # an assignment's failure retries
 MAX_SERIALIZATION_RETRY_LIMIT = 4096  # lost optimistic-concurrency races per call
+# Every time field of an HTTP body lies in [EARLIEST_TIME, LATEST_TIME) (the clock checks
+# bound some of them closer): no stored time is so far out that arithmetic on it fails.
+EARLIEST_TIME = datetime(1970, 1, 1, tzinfo=UTC)
+LATEST_TIME = datetime(2200, 1, 1, tzinfo=UTC)
 DEFAULT_CLOCK_TOLERANCE = timedelta(seconds=5)
 MAX_CLOCK_TOLERANCE = timedelta(seconds=300)  # also what audit verify allows a record
 
