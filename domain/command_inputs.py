@@ -43,6 +43,20 @@ def near_clock(field: str, value: datetime, now: datetime, tolerance: timedelta)
         )
 
 
+def check_heartbeat_time(at: datetime, now: datetime, tolerance: timedelta) -> None:
+    """docs/spec.md (section 6a): a heartbeat's ``at`` no later than clock + tolerance and
+    no earlier than clock - the largest heartbeat timeout (one that old cannot make a
+    runner fresh for any sandbox; a stored time far in the past broke later reads)."""
+    not_after_clock("at", at, now, tolerance)
+    if at < now - MAX_HEARTBEAT_TIMEOUT:
+        raise InvalidRequestError(
+            "at",
+            f"must not be earlier than the scheduler's clock - the largest heartbeat "
+            f"timeout {seconds_text(MAX_HEARTBEAT_TIMEOUT)} (clock {now.isoformat()}, got "
+            f"{at.isoformat()})",
+        )
+
+
 def check_request_times(request: ScheduleRequest, now: datetime, tolerance: timedelta) -> None:
     """docs/spec.md (section 6a) and the limits: a schedule request's times against the
     clock."""

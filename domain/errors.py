@@ -135,6 +135,21 @@ class CapacityExceededError(ConflictError):
     """Reserving would make reserved exceed allocatable, or allocatable fall below reserved."""
 
 
+class ReservedTotalExceededError(CapacityExceededError):
+    """Reserving would make a runner's reserved total of ``dimension`` exceed
+    ``MAX_RESERVED_TOTAL`` (domain/limits.py), on a checked or an unchecked dimension."""
+
+    def __init__(self, runner_id: str, dimension: str, total: int, limit: int) -> None:
+        self.runner_id = runner_id
+        self.dimension = dimension
+        self.total = total
+        self.limit = limit
+        super().__init__(
+            f"runner {runner_id!r} cannot reserve {dimension}: its reserved total would be "
+            f"{total}, past the largest reserved total {limit}"
+        )
+
+
 class RunnerUnavailableError(ConflictError):
     """The runner is draining or deregistered and takes no reservation."""
 

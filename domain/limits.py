@@ -11,7 +11,7 @@ read-model row can be made arbitrarily large by a caller.
 from __future__ import annotations
 
 import unicodedata
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 from secondbox_scheduler.domain.errors import InvalidRequestError
 
@@ -23,10 +23,18 @@ MAX_ITEMS = 64  # capabilities, egress contexts, digests, materializations, map 
 MAX_PROOF_ENTRIES = 16
 MAX_PROOF_VALUE_LENGTH = 1024
 MAX_HEARTBEAT_TIMEOUT = timedelta(days=1)
+# The most a runner may have reserved on any one dimension, checked or not (the read
+# models store reserved totals as BIGINT): with "physical-storage-admission" disk is not
+# checked against allocatable, and this alone bounds the sum of its reservations.
+MAX_RESERVED_TOTAL = 2**63 - 1
 MAX_CLAIM_DURATION = timedelta(hours=1)  # claim_reconcile: until - now
 MAX_DEADLINE_AHEAD = timedelta(days=7)  # ScheduleRequest deadlines after its now
 MAX_RETRY_LIMIT = 1000  # an assignment's failure retries
 MAX_SERIALIZATION_RETRY_LIMIT = 4096  # lost optimistic-concurrency races per call
+# Every time field of an HTTP body lies in [EARLIEST_TIME, LATEST_TIME) (the clock checks
+# bound some of them closer): no stored time is so far out that arithmetic on it fails.
+EARLIEST_TIME = datetime(1970, 1, 1, tzinfo=UTC)
+LATEST_TIME = datetime(2200, 1, 1, tzinfo=UTC)
 DEFAULT_CLOCK_TOLERANCE = timedelta(seconds=5)
 MAX_CLOCK_TOLERANCE = timedelta(seconds=300)  # also what audit verify allows a record
 

@@ -1,7 +1,8 @@
 """The Runner aggregate: a host's registration, drain phase and capacity ledger.
 
 The aggregate refuses, by itself, every change that would break docs/spec.md (section 7):
-a reservation past allocatable on a checked dimension (invariant 1), a reservation
+a reservation past allocatable on a checked dimension (invariant 1), one that would make
+any dimension's reserved total pass ``MAX_RESERVED_TOTAL`` (domain/limits.py), a reservation
 on a draining or deregistered runner (5), a second release of one reservation or a
 release without proof (6), allocatable below what is reserved, deregistration while
 anything is reserved. ``reserved`` is always the sum of ``reservations`` (2).
@@ -23,11 +24,17 @@ from secondbox_scheduler.domain.errors import (
     CapacityExceededError,
     ConflictError,
     InvalidRequestError,
+    ReservedTotalExceededError,
     RunnerUnavailableError,
 )
 from secondbox_scheduler.domain.ids import runner_uuid
 from secondbox_scheduler.domain.lease import RunnerLease, materialization_snapshots
-from secondbox_scheduler.domain.placement.rules import capacity_shortfall, checked_dimensions
+from secondbox_scheduler.domain.limits import MAX_RESERVED_TOTAL
+from secondbox_scheduler.domain.placement.rules import (
+    capacity_shortfall,
+    checked_dimensions,
+    reserved_total_overflow,
+)
 from secondbox_scheduler.domain.records import MaterializationRecord
 from secondbox_scheduler.domain.values import (
     DRAIN_PHASE_ACTIVE,
@@ -224,6 +231,9 @@ class Runner(Aggregate):
                 f"runner {self.runner_id!r} already holds a reservation for {key!r}"
             )
         requested = capacity.as_dict()
+        for dim in reserved_total_overflow(self.reserved, requested):
+            total = self.reserved[dim] + requested[dim]
+            raise ReservedTotalExceededError(self.runner_id, dim, total, MAX_RESERVED_TOTAL)
         shortfall = capacity_shortfall(
             self.allocatable, self.reserved, requested, checked_dimensions(self.capabilities)
         )

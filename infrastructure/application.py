@@ -27,8 +27,8 @@ from secondbox_scheduler.domain.command_inputs import (
     as_capacity,
     as_collection,
     as_requirements,
+    check_heartbeat_time,
     check_request_times,
-    not_after_clock,
     require_fence,
     require_generation,
     require_timeout,
@@ -270,7 +270,7 @@ class SchedulerApplication(StoredApplication):
         """
         require_text("runner_id", runner_id)
         at = require_aware("at", at)
-        not_after_clock("at", at, self.now(), self.clock_tolerance)
+        check_heartbeat_time(at, self.now(), self.clock_tolerance)
         checked = RunnerSnapshot(
             id=runner_id,
             artifact_digests=as_collection("artifact_digests", artifact_digests),

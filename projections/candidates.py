@@ -255,7 +255,9 @@ def _prefilter_rules(
         ),
     ]
     # placement._check_capacity: free >= requested on every checked dimension; disk is
-    # unchecked with "physical-storage-admission" (placement.checked_dimensions)
+    # unchecked with "physical-storage-admission" (placement.checked_dimensions); the
+    # reserved-total limit of an unchecked dimension (placement.reserved_total_overflow)
+    # is left to the Python rule
     for dim in DIMENSIONS:
         shortfall = f"allocatable_{dim} - reserved_{dim} < %s"
         if dim == "disk_bytes":

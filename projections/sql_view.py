@@ -42,9 +42,9 @@ def time_text(value: datetime | None) -> str | None:
     if value is None:
         return None
     utc = value if value.tzinfo is UTC else value.astimezone(UTC)
-    if utc.year < 1000:  # strftime's %Y is not zero-padded there; isoformat is
-        return utc.strftime(TIME_FORMAT)
-    return utc.replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"  # = TIME_FORMAT
+    # TIME_FORMAT, with the year zero-padded to four digits in every year (strftime's %Y
+    # is not below 1000: "1-01-01...", which strptime refused and which sorted wrongly)
+    return utc.replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
 
 
 def text_time(value: str | None) -> datetime | None:

@@ -4,7 +4,7 @@ Pure: it is fed decoded events with their notification positions, in log order, 
 keeps its own plain state (no aggregate, no cache, no projection). After every event
 it checks the invariants of docs/spec.md (section 7) that the event could break:
 
-1. reserved <= allocatable on every checked dimension;
+1. reserved <= allocatable on every checked dimension, and <= 2**63-1 on every one;
 2. a runner's reserved capacity equals the sum over its unreleased assignments (a
    fence and its reservation, a release and its capacity release, are written in one
    transaction, so the second of each pair must follow the first at once);
@@ -27,7 +27,7 @@ from uuid import UUID
 from secondbox_scheduler.domain.assignment import STATE_RELEASED, STATE_RUNNING, STATE_UNCERTAIN
 from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse, token_sha256
 from secondbox_scheduler.domain.lease import RunnerLease
-from secondbox_scheduler.domain.limits import MAX_CLOCK_TOLERANCE
+from secondbox_scheduler.domain.limits import MAX_CLOCK_TOLERANCE, MAX_RESERVED_TOTAL
 from secondbox_scheduler.domain.placement.evidence import HomeDecisionRecord, rank_key_from_record
 from secondbox_scheduler.domain.placement.rules import checked_dimensions, evaluate_runner
 from secondbox_scheduler.domain.refusals import RefusalLog
@@ -326,6 +326,8 @@ class AuditFold:
                 )
             if reserved[dim] < 0:
                 self._violate("invariant-2", f"runner {runner.runner_id!r} reserved {dim} < 0")
+        for dim in (d for d in DIMENSIONS if reserved[d] > MAX_RESERVED_TOTAL):  # checked or not
+            self._violate("invariant-1", f"runner {runner.runner_id!r} reserved {dim} > 2**63-1")
 
     def _owe(self, runner_id: str, capacity: dict[str, int], sign: int) -> None:
         owed = self.owed.get(runner_id)

@@ -22,6 +22,7 @@ from secondbox_scheduler.domain.errors import (
     NoCompatibleRunnerError,
     PlacementError,
 )
+from secondbox_scheduler.domain.limits import MAX_RESERVED_TOTAL
 from secondbox_scheduler.domain.placement.evidence import (
     ARCHITECTURE,
     BACKEND,
@@ -185,13 +186,27 @@ def capacity_shortfall(
     return shortfall
 
 
+def reserved_total_overflow(
+    reserved: Mapping[str, int], requested: Mapping[str, int]
+) -> dict[str, int]:
+    """Per dimension, checked or not, how far ``reserved + requested`` would pass
+    ``MAX_RESERVED_TOTAL`` (empty: within it). On a checked dimension allocatable is at
+    most that, so only an unchecked one (disk with "physical-storage-admission") can."""
+    return {
+        dim: reserved[dim] + amount - MAX_RESERVED_TOTAL
+        for dim, amount in requested.items()
+        if reserved[dim] + amount > MAX_RESERVED_TOTAL
+    }
+
+
 def _check_capacity(ctx: _Context, runner: RunnerSnapshot) -> RuleFailure | None:
+    reserved, requested = runner.reserved.as_dict(), ctx.requirements.capacity.as_dict()
     shortfall = capacity_shortfall(
-        runner.allocatable.as_dict(),
-        runner.reserved.as_dict(),
-        ctx.requirements.capacity.as_dict(),
-        checked_dimensions(runner.capabilities),
+        runner.allocatable.as_dict(), reserved, requested, checked_dimensions(runner.capabilities)
     )
+    overflow = reserved_total_overflow(reserved, requested)
+    if overflow:  # an unchecked dimension past the reserved-total limit is short too
+        shortfall = {**overflow, **shortfall}
     if not shortfall:
         return None
     detail = ", ".join(f"{dim} short by {amount}" for dim, amount in shortfall.items())

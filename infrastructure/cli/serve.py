@@ -55,6 +55,17 @@ def serve(
             help="Events a read model may lag behind the log before /readyz answers 503.",
         ),
     ] = 1000,
+    max_body_bytes: Annotated[
+        int,
+        typer.Option(
+            "--max-body-bytes",
+            min=1024,
+            max=2**30,
+            envvar="SECONDBOX_HTTP_MAX_BODY_BYTES",
+            help="Largest request body read; a larger one is refused with 413 "
+            "body_too_large before it is read (1,024 to 2**30).",
+        ),
+    ] = 2**20,  # body_limit.DEFAULT_MAX_BODY_BYTES (not imported here: a slow import)
     access_log: Annotated[
         bool, typer.Option("--access-log", help="Log every request on stderr (uvicorn).")
     ] = False,
@@ -87,7 +98,12 @@ def serve(
         registry = CollectorRegistry()  # the service's own; the process-wide one is untouched
         for collector in (ProcessCollector, PlatformCollector, GCCollector):
             collector(registry=registry)
-        app = create_app(scheduler, registry=registry, max_read_model_lag=max_read_model_lag)
+        app = create_app(
+            scheduler,
+            registry=registry,
+            max_read_model_lag=max_read_model_lag,
+            max_body_bytes=max_body_bytes,
+        )
         try:
             sock = listening_socket(host, port)
         except OSError as error:

@@ -3,7 +3,8 @@
 One FastAPI application over one :class:`SchedulerApplication`: the routes of
 ``runners`` and ``sandboxes`` (every command and query, under ``/v1``), ``health``
 (``/healthz``, ``/readyz``, ``/metrics``), the OpenAPI document at ``/openapi.json``,
-the error answers of :mod:`.errors`, and the request-duration middleware. Several
+the error answers of :mod:`.errors`, the request-duration middleware and the body-size
+limit (:mod:`.body_limit`). Several
 processes serving one PostgreSQL database are replicas: nothing is kept in a process
 that another one needs (the scheduler serializes through the database).
 """
@@ -17,6 +18,7 @@ import secondbox_scheduler.infrastructure.http.health as health
 import secondbox_scheduler.infrastructure.http.runners as runners
 import secondbox_scheduler.infrastructure.http.sandboxes as sandboxes
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.http.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from secondbox_scheduler.infrastructure.http.errors import install_error_handlers
 from secondbox_scheduler.infrastructure.http.request_metrics import (
     RequestMetrics,
@@ -34,8 +36,9 @@ health and Prometheus metrics.
 
 Errors are `{"error": {"code", "message", "retryable", "field", "rule", ...}}` with
 422 invalid input, 404 unknown, 409 stale fence or conflict (and refused placements),
-503 with `Retry-After` for contention and an unavailable store. Commands are
-idempotent by the ids they carry: retrying one after a lost answer is safe.
+413 a body past the maximum size (`serve --max-body-bytes`, default 1 MiB), 503 with
+`Retry-After` for contention and an unavailable store. Commands are idempotent by the
+ids they carry: retrying one after a lost answer is safe.
 
 Fencing tokens are hex; durations are seconds; times are RFC 3339 with a zone. The
 scheduler's clock is the authority: a request's `now` must lie within its clock plus
@@ -48,9 +51,11 @@ def create_app(
     *,
     registry: CollectorRegistry | None = None,
     max_read_model_lag: int = DEFAULT_MAX_READ_MODEL_LAG,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """The service over ``scheduler``. Its metrics go to ``registry``, or to the
-    registry the scheduler already exports to, or to a new one; ``/metrics`` serves it."""
+    registry the scheduler already exports to, or to a new one; ``/metrics`` serves it.
+    A request body of more than ``max_body_bytes`` is refused, 413, before it is read."""
     sink = scheduler.metrics.sink
     if registry is None and isinstance(sink, PrometheusMetrics):
         exporter = sink
@@ -69,5 +74,7 @@ def create_app(
     app.include_router(runners.router)
     app.include_router(sandboxes.router)
     app.include_router(health.router)
+    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
+    # Added last, so outermost: it also times (and counts) the 413s of BodyLimit.
     app.add_middleware(RequestMetrics, histogram=request_histogram(exporter.registry))
     return app

@@ -11,6 +11,8 @@ JSON body, or the name of a path or query parameter); ``reason`` for an unavaila
 store (``connection-refused``, ``timeout``, ...); ``reasons`` for a refused placement
 (runners refusing per reason code). The statuses:
 
+- 413 ``body_too_large``: the body is past the service's maximum (``serve
+  --max-body-bytes``, default 1 MiB); refused before it was read, nothing was written;
 - 422 ``invalid_request``: fix the named field; nothing was written;
 - 404 ``runner_not_found``, ``sandbox_not_found``, ``assignment_not_found``,
   ``not_found`` (no such route);
@@ -93,7 +95,7 @@ STATUS_AND_CODE: dict[type[BaseException], tuple[int, str]] = {
     OperationalError: (503, "store_unavailable"),
     InterfaceError: (503, "store_unavailable"),
 }
-HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
 
 
 class ErrorDetail(BaseModel):
@@ -126,6 +128,10 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     409: {
         "model": ErrorResponse,
         "description": "Stale fence, a conflict with the current state, or a refused placement.",
+    },
+    413: {
+        "model": ErrorResponse,
+        "description": "The body is larger than the service's maximum (serve --max-body-bytes).",
     },
     422: {"model": ErrorResponse, "description": "Invalid input; nothing was written."},
     503: {

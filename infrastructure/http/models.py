@@ -44,6 +44,8 @@ from secondbox_scheduler.domain.lease import (
     OBSERVED_STALE,
 )
 from secondbox_scheduler.domain.limits import (
+    EARLIEST_TIME,
+    LATEST_TIME,
     MAX_FENCING_TOKEN_BYTES,
     MAX_HEARTBEAT_TIMEOUT,
     MAX_ITEMS,
@@ -103,6 +105,18 @@ HexToken = Annotated[
         ),
     ),
 ]
+
+
+def _sane_time(value: datetime) -> datetime:
+    if not EARLIEST_TIME <= value < LATEST_TIME:
+        raise ValueError(
+            f"must be from {EARLIEST_TIME.isoformat()} to before {LATEST_TIME.isoformat()}"
+        )
+    return value
+
+
+# Every time of a request body: aware, UTC, and within a sane range (docs/spec.md, 9).
+Time = Annotated[UTCDatetime, AfterValidator(_sane_time)]
 Seconds = Annotated[
     float,
     Strict(),
@@ -160,7 +174,7 @@ class Heartbeat(Body):
     """``record_heartbeat``: ``at`` is the runner's time; the scheduler's clock refuses
     one later than itself plus the clock tolerance."""
 
-    at: UTCDatetime
+    at: Time
     artifact_digests: Names = ()
     materializations: Annotated[
         tuple[MaterializationSnapshot, ...], Field(max_length=MAX_ITEMS)
@@ -222,16 +236,16 @@ class ScheduleBody(Body):
     assignment_command: TextMap | None = None
     fencing_token: HexToken
     resolved_artifacts: TextMap = Field(default_factory=dict)
-    claim_expires_at: UTCDatetime
-    operation_deadline: UTCDatetime
+    claim_expires_at: Time
+    operation_deadline: Time
     retry_limit: Annotated[StrictInt, Field(ge=0, le=MAX_RETRY_LIMIT)] = 0
     serialization_retry_limit: Annotated[
         StrictInt, Field(ge=0, le=MAX_SERIALIZATION_RETRY_LIMIT)
     ] = DEFAULT_SERIALIZATION_RETRY_LIMIT
     heartbeat_timeout_seconds: Seconds
-    now: UTCDatetime
-    effect_started_at: UTCDatetime
-    plan_ready_at: UTCDatetime
+    now: Time
+    effect_started_at: Time
+    plan_ready_at: Time
 
     def to_request(self, sandbox_id: str) -> ScheduleRequest:
         """The domain's request (validated again there: docs/spec.md (section 6) step 1)."""
@@ -300,7 +314,7 @@ class Released(BaseModel):
 
 class ReconcileClaim(Body):
     owner: Name
-    until: UTCDatetime
+    until: Time
 
 
 class ClaimOwner(Body):
@@ -313,7 +327,7 @@ class ReconcileResult(Body):
     owner: Name
     action: Literal[ACTIONS]  # type: ignore[valid-type]
     reason: Text
-    next_reconcile_at: UTCDatetime | None = None
+    next_reconcile_at: Time | None = None
 
 
 class Claimed(BaseModel):

@@ -5,6 +5,9 @@ of the response as it starts and, when the request is done, observes
 ``secondbox_scheduler_http_request_duration_seconds{method,route,status}``. ``route``
 is the matched route's template (``/v1/sandboxes/{sandbox_id}/schedule``), never the
 raw path, so ids do not become label values; unmatched paths count as ``unmatched``.
+``method`` is one of RFC 9110's methods (:data:`METHODS`); any other (a server takes any
+token as a method) counts as ``other``. So the label values are bounded by the routes,
+ten methods and the statuses the service answers, whatever clients send.
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from secondbox_scheduler.infrastructure.metrics import DURATION_BUCKETS, NAMESPACE
 
 UNMATCHED = "unmatched"
+METHODS = frozenset(
+    {"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"}
+)
+OTHER_METHOD = "other"
 
 
 _HISTOGRAMS: weakref.WeakKeyDictionary[CollectorRegistry, Histogram] = weakref.WeakKeyDictionary()
@@ -67,6 +74,5 @@ class RequestMetrics:
             await self.app(scope, receive, sending)
         finally:
             route = getattr(scope.get("route"), "path", UNMATCHED)
-            self.histogram.labels(scope["method"], route, str(status)).observe(
-                time.perf_counter() - started
-            )
+            method = scope["method"] if scope["method"] in METHODS else OTHER_METHOD
+            self.histogram.labels(method, route, str(status)).observe(time.perf_counter() - started)
