@@ -86,11 +86,7 @@ def _granted(schema: PostgresSchema, roles: Roles, keyed: bool = False) -> dict[
     extra = {"SECONDBOX_AUDIT_KEY": KEY} if keyed else {}
     SchedulerApplication(env={"SECONDBOX_DATABASE_URL": _url(schema, roles.owner), **extra}).close()
     with _admin(schema) as admin:
-        try:
-            grant(admin, schema.name, roles.owner, roles.app, roles.auditor, projector=roles.projector)
-        except TypeError:  # PREFIX-SHIM
-            grant(admin, schema.name, roles.owner, roles.app, roles.auditor)
-            admin.execute(f'GRANT "{roles.app}" TO "{roles.projector}"')
+        grant(admin, schema.name, roles.owner, roles.app, roles.auditor, projector=roles.projector)
     return {
         "SECONDBOX_DATABASE_URL": _url(schema, roles.app),
         "SECONDBOX_READ_MODELS": "external",

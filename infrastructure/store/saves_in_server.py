@@ -20,18 +20,23 @@ class SavesInServer:
     datastore: PostgresDatastore
     append_signature: str
     _appends_in_server: bool | None
+    links_keyed_in_server = False  # whether a keyed chain saves through functions too
+    keyed_signatures: tuple[str, ...] = ()  # the functions of a keyed chain's save
 
     def appends_in_server(self) -> bool:
-        """Whether a save goes through the function of ``append_signature``: an
-        unkeyed chain over UUID ids (a key never goes to the server), a UTF8 database
-        and the function present and this role's to run (:func:`usable_in_server`).
-        Looked up once; a save that finds it gone or forbidden saves without it from
-        then on."""
+        """Whether a save goes through the function of ``append_signature`` (an
+        unkeyed chain) or those of ``keyed_signatures`` (a keyed chain, whose key never
+        goes to the server: :mod:`.keyed_append`): UUID ids, a UTF8 database and the
+        functions present and this role's to run (:func:`usable_in_server`). Looked up
+        once; a save that finds them gone or forbidden saves without them from then on
+        (which needs INSERT on the tables: the schema owner's role)."""
         if self._appends_in_server is None:
+            keyed = self.chain.keyed
+            signatures = self.keyed_signatures if keyed else (self.append_signature,)
             self._appends_in_server = (
-                not self.chain.keyed
+                (not keyed or self.links_keyed_in_server)
                 and self.datastore.originator_id_type == "uuid"
-                and usable_in_server(self.datastore, self.append_signature)
+                and all(usable_in_server(self.datastore, s) for s in signatures)
             )
         return self._appends_in_server
 
