@@ -218,3 +218,16 @@ def usable_in_server(datastore: Any, signature: str) -> bool:
         )
         row = curs.fetchone()
     return bool(row is not None and row[0])
+
+
+def writes_tables_itself(datastore: Any, table: str) -> bool:
+    """Whether this role may INSERT into ``table`` of the store's schema itself (the
+    schema owner may; the request-serving role, which writes only through the
+    functions, may not: a save of its without them cannot succeed)."""
+    with datastore.get_connection() as conn, conn.cursor(row_factory=tuple_row) as curs:
+        curs.execute(
+            "SELECT coalesce(has_table_privilege(to_regclass(%s), 'INSERT'), false)",
+            (f'"{datastore.schema}"."{table}"',),
+        )
+        row = curs.fetchone()
+    return bool(row is not None and row[0])
