@@ -25,19 +25,20 @@ def _statement(recorder: Any) -> tuple[str, str]:
     """The query (with the last position read as its one parameter) and its placeholder."""
     if isinstance(recorder, PostgresApplicationRecorder):
         table = f'"{recorder.datastore.schema}"."{recorder.events_table_name}"'
-        placeholder, concat = "%s", "string_agg({}, E'\\n' ORDER BY notification_id)"
-    else:
+        position, placeholder = "notification_id", "%s"
+        concat = "string_agg({}, E'\\n' ORDER BY notification_id)"
+    else:  # SQLite: the position is the rowid
         table = f'"{recorder.events_table_name}"'
-        placeholder, concat = "?", "group_concat({}, char(10))"
+        position, placeholder, concat = "rowid", "?", "group_concat({}, char(10))"
     described = (
-        "CAST(notification_id AS TEXT) || ' ' || CAST(originator_id AS TEXT) || ' ' "
+        f"CAST({position} AS TEXT) || ' ' || CAST(originator_id AS TEXT) || ' ' "
         "|| CAST(originator_version AS TEXT) || ' ' || topic"
     )
     outside = concat.format(described)
     return (
-        f"SELECT count(*) FILTER (WHERE notification_id >= 1 AND notification_id <= "
-        f"{placeholder}) AS in_log, count(*) FILTER (WHERE notification_id < 1) AS hidden, "
-        f"{outside} FILTER (WHERE notification_id < 1) AS outside FROM {table}"
+        f"SELECT count(*) FILTER (WHERE {position} >= 1 AND {position} <= {placeholder}) "
+        f"AS in_log, count(*) FILTER (WHERE {position} < 1) AS hidden, "
+        f"{outside} FILTER (WHERE {position} < 1) AS outside FROM {table}"
     ), placeholder
 
 
