@@ -777,7 +777,8 @@ def test_an_error_between_the_insert_and_the_commit_stores_nothing(
     the test above.)"""
     app = SchedulerApplication(env=_chained_env(postgres_schema, keyed=True), now=clock)
     try:
-        assert _recorder(app).appends_in_server() and app.recorder.chain.keyed  # type: ignore[attr-defined]
+        assert _recorder(app).appends_in_server()
+        assert _recorder(app).chain.keyed
         build(app, clock)
         runners = [runner_uuid("ra"), runner_uuid("rb")]
         versions = app.stream_versions(runners)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import psycopg
 import pytest
@@ -47,7 +48,7 @@ def _url(schema: PostgresSchema, role: str) -> str:
     return f"postgresql://{role}@{server.host}:{server.port}/{server.dbname}?schema={schema.name}"
 
 
-def _connect(schema: PostgresSchema, role: str) -> psycopg.Connection[tuple[object, ...]]:
+def _connect(schema: PostgresSchema, role: str) -> psycopg.Connection[tuple[Any, ...]]:
     server = schema.server
     return psycopg.connect(
         make_conninfo(host=server.host, port=server.port, user=role, dbname=server.dbname),
@@ -55,7 +56,7 @@ def _connect(schema: PostgresSchema, role: str) -> psycopg.Connection[tuple[obje
     )
 
 
-def _admin(schema: PostgresSchema) -> psycopg.Connection[tuple[object, ...]]:
+def _admin(schema: PostgresSchema) -> psycopg.Connection[tuple[Any, ...]]:
     return psycopg.connect(schema.server.conninfo(), autocommit=True)
 
 
@@ -153,7 +154,8 @@ def test_the_request_serving_role_holds_no_write_privilege_on_any_table(
         tables = admin.execute(
             "SELECT count(*) FROM pg_tables WHERE schemaname = %s", (postgres_schema.name,)
         ).fetchone()
-    assert tables is not None and tables[0] >= 8
+    assert tables is not None
+    assert tables[0] >= 8
     assert listed == []
     assert held == []
 
@@ -176,12 +178,18 @@ def test_no_event_can_be_hidden_below_position_one(
         f"state) SELECT 0, originator_id, originator_version + 1, topic, state FROM {events} "
         "WHERE originator_id = %s ORDER BY originator_version DESC LIMIT 1"
     )
-    with _connect(postgres_schema, roles.app) as connection:  # the application role
-        with pytest.raises(errors.InsufficientPrivilege), connection.transaction():
-            connection.execute(hide, (runner_id,))
-    with _connect(postgres_schema, roles.owner) as connection:  # the schema refuses it too
-        with pytest.raises(errors.CheckViolation), connection.transaction():
-            connection.execute(hide, (runner_id,))
+    with (
+        _connect(postgres_schema, roles.app) as connection,  # the application role
+        pytest.raises(errors.InsufficientPrivilege),
+        connection.transaction(),
+    ):
+        connection.execute(hide, (runner_id,))
+    with (
+        _connect(postgres_schema, roles.owner) as connection,  # the schema refuses it too
+        pytest.raises(errors.CheckViolation),
+        connection.transaction(),
+    ):
+        connection.execute(hide, (runner_id,))
 
 
 def test_an_earlier_schema_gets_the_position_check_and_verify_finds_hidden_events(
@@ -223,13 +231,16 @@ def test_an_earlier_schema_gets_the_position_check_and_verify_finds_hidden_event
     # the owner's next start adds the check (not validated: the hidden row stays as
     # evidence for the audit), and no new position <= 0 is accepted
     SchedulerApplication(env={"SECONDBOX_DATABASE_URL": _url(postgres_schema, roles.owner)}).close()
-    with _connect(postgres_schema, roles.owner) as connection:
-        with pytest.raises(errors.CheckViolation), connection.transaction():
-            connection.execute(
-                f"INSERT INTO {events} (notification_id, originator_id, originator_version, "
-                f"topic, state) VALUES (0, %s, 1000, 'x', '')",
-                (runner_id,),
-            )
+    with (
+        _connect(postgres_schema, roles.owner) as connection,
+        pytest.raises(errors.CheckViolation),
+        connection.transaction(),
+    ):
+        connection.execute(
+            f"INSERT INTO {events} (notification_id, originator_id, originator_version, "
+            f"topic, state) VALUES (0, %s, 1000, 'x', '')",
+            (runner_id,),
+        )
 
 
 def test_a_snapshot_forged_with_a_public_seal_is_refused(
@@ -241,14 +252,18 @@ def test_a_snapshot_forged_with_a_public_seal_is_refused(
     try:
         _history(app, projector, clock)
         runner = app.load(runner_uuid("r1"), Runner)
-        assert runner is not None and runner.reserved["instances"] == 2
+        assert runner is not None
+        assert runner.reserved["instances"] == 2
         forged = getattr(type(runner), "Snapshot", Snapshot).take(runner)
         forged.state["reserved"] = {**forged.state["reserved"], "instances": 0}
         stored = app.snapshots.mapper.to_stored_event(forged)  # type: ignore[union-attr]
     finally:
         app.close()
         projector.close()
-    snapshots, seals = _table(postgres_schema, "snapshots"), _table(postgres_schema, "snapshots_seal")
+    snapshots, seals = (
+        _table(postgres_schema, "snapshots"),
+        _table(postgres_schema, "snapshots_seal"),
+    )
     chain, events = _table(postgres_schema, "events_chain"), _table(postgres_schema, "events")
     with _connect(postgres_schema, roles.app) as connection:
         link = connection.execute(
@@ -261,16 +276,19 @@ def test_a_snapshot_forged_with_a_public_seal_is_refused(
             bytes(link[0]), stored.originator_id, stored.originator_version, stored.topic,
             stored.state,
         )  # fmt: skip
-        with pytest.raises(errors.InsufficientPrivilege), connection.transaction():
-            connection.execute(
+        for statement, params in (
+            (
                 f"INSERT INTO {snapshots} (originator_id, originator_version, topic, state) "
                 "VALUES (%s, %s, %s, %s)",
                 (stored.originator_id, stored.originator_version, stored.topic, stored.state),
-            )
-            connection.execute(
+            ),
+            (
                 f"INSERT INTO {seals} VALUES (%s, %s, %s)",
                 (stored.originator_id, stored.originator_version, seal),
-            )
+            ),
+        ):
+            with pytest.raises(errors.InsufficientPrivilege), connection.transaction():
+                connection.execute(statement, params)
         # nor through the save's function: a snapshot only at an event of the same call
         with pytest.raises(errors.RaiseException), connection.transaction():
             connection.execute(
@@ -349,7 +367,7 @@ def test_the_read_models_are_written_by_the_projector_role_alone(
             f'UPDATE "{schema}".runner_snapshots SET reserved_instances = 0',
             f'UPDATE "{schema}".runner_snapshots_tracking SET notification_id = 1000000000',
             f'DELETE FROM "{schema}".assignments',
-            f'INSERT INTO "{schema}".assignments_tracking VALUES (\'x\', 1)',
+            f"INSERT INTO \"{schema}\".assignments_tracking VALUES ('x', 1)",
             f'TRUNCATE "{schema}".runner_snapshots',
         ):
             with pytest.raises(errors.InsufficientPrivilege), connection.transaction():

@@ -53,8 +53,8 @@ from secondbox_scheduler.infrastructure.store.keyed_append import (
 )
 from secondbox_scheduler.infrastructure.store.postgres_chain_sql import (
     compiled,
-    positive_positions_statement,
     insert_unnested,
+    positive_positions_statement,
     quoted,
     unnested,
     unnested_insert,
@@ -302,7 +302,9 @@ class ChainedPostgresRecorder(SavesInServer, ChainedRecorder, PostgresApplicatio
                     pipeline.sync()
                     rows = inserted.fetchall()
                     positions = self._positions(rows, stored_events)
-                    head = None if rows[0][2] is None else Link(int(rows[0][1]), 0, bytes(rows[0][2]))
+                    head = (
+                        None if rows[0][2] is None else Link(int(rows[0][1]), 0, bytes(rows[0][2]))
+                    )
                     links = self.chain.links(
                         head,
                         [

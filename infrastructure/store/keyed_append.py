@@ -124,7 +124,8 @@ def link_function_statement(
         "    END IF;\n"
         "  END LOOP;\n"
         # the events after the head, every one of them (no head: from before the chain)
-        "  floor_position := CASE WHEN head_position > 0 THEN head_position ELSE positions[1] - 1 END;\n"
+        "  floor_position := CASE WHEN head_position > 0 THEN head_position "
+        "ELSE positions[1] - 1 END;\n"
         "  IF (SELECT count(*) FROM {schema}.{events} e WHERE e.notification_id > floor_position "
         "AND e.notification_id <= positions[n]) <> n OR (SELECT count(*) FROM "
         "{schema}.{events} e WHERE e.notification_id = ANY(positions)) <> n THEN\n"
