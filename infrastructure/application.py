@@ -137,9 +137,9 @@ class SchedulerApplication(StoredApplication):
             self.retrying = Retrying(self.metrics, sleep=sleep, rng=rng)
             self.refusals = RefusalRecorder(self, self.metrics)
             self.read_models: ReadModels | None = None
-            if supports_read_models(self) and self.env.get(READ_MODELS, "on") != "off":
-                self.read_models = ReadModels(self)
             self.catch_up_inline = self.env.get(READ_MODELS, "on") != "external"
+            if supports_read_models(self) and self.env.get(READ_MODELS, "on") != "off":
+                self.read_models = ReadModels(self, writes=self.catch_up_inline)
             self.queries = SchedulerQueries(
                 self, self.read_models, catch_up_inline=self.catch_up_inline
             )

@@ -112,7 +112,10 @@ class ProjectionStatus:
 class ReadModels:
     """The runner snapshots and assignments views of one application's store."""
 
-    def __init__(self, app: Application[Any]) -> None:
+    def __init__(self, app: Application[Any], *, writes: bool = True) -> None:
+        """``writes=False``: this process only reads the read models (another keeps
+        them: ``SECONDBOX_READ_MODELS=external``), so its role may hold SELECT alone
+        (docs/operations.md); the position rows are made at its first catch-up, if any."""
         if not supports_read_models(app):
             raise TypeError("read models need the SQLite or PostgreSQL store")
         self.app = app
@@ -128,7 +131,8 @@ class ReadModels:
             view = view_class(datastore)  # type: ignore[call-arg]
             if strtobool(app.env.get("CREATE_TABLE") or "y"):  # off: a role that may not
                 view.create_table()  # type: ignore[attr-defined]  # from the concrete recorder
-            view.ensure_position(app.name)
+            if writes:
+                view.ensure_position(app.name)
             self.views[name] = view
             self.projections[name] = PROJECTIONS[name](view)
         self._topics_of = {
@@ -146,6 +150,7 @@ class ReadModels:
         self.skipped = tuple(sorted(frozenset.intersection(*self._ignored_of.values())))
         self._decode = EventDecoder(app.mapper)  # learns each topic once, for every catch-up
         self._lock = threading.Lock()
+        self._positions_ensured = writes
 
     @property
     def runners(self) -> RunnerSnapshotsView:
@@ -211,6 +216,10 @@ class ReadModels:
         :meth:`SqlView.apply`.
         """
         with self._lock:
+            if not self._positions_ensured:
+                for view in self.views.values():
+                    view.ensure_position(self.app.name)
+                self._positions_ensured = True
             while True:
                 try:
                     return self._catch_up(until, progress, page_size, asynchronous_commit)

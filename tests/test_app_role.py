@@ -1,6 +1,7 @@
-"""The append-only application role on PostgreSQL: the scheduler works under
-a role that may only INSERT and SELECT its events, and the server itself refuses that
-role's UPDATE, DELETE and TRUNCATE of the events and of their chain."""
+"""The request-serving application role on PostgreSQL: the scheduler works under a
+role that may only SELECT the tables and write the history through the schema owner's
+functions; the server refuses its INSERT, UPDATE, DELETE and TRUNCATE (the red team's
+findings as this role: tests/test_red_team.py)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class Roles:
     owner: str
     app: str
     auditor: str
+    projector: str
 
 
 def _url(schema: PostgresSchema, role: str) -> str:
@@ -50,10 +52,12 @@ def _connect(schema: PostgresSchema, role: str) -> psycopg.Connection[tuple[obje
 @pytest.fixture
 def roles(postgres_schema: PostgresSchema) -> Iterator[Roles]:
     suffix = uuid.uuid4().hex[:8]
-    made = Roles(f"sbx_owner_{suffix}", f"sbx_app_{suffix}", f"sbx_audit_{suffix}")
+    made = Roles(
+        f"sbx_owner_{suffix}", f"sbx_app_{suffix}", f"sbx_audit_{suffix}", f"sbx_proj_{suffix}"
+    )
     conninfo = postgres_schema.server.conninfo()
     with psycopg.connect(conninfo, autocommit=True) as admin:
-        for role in (made.owner, made.app, made.auditor):
+        for role in (made.owner, made.app, made.auditor, made.projector):
             admin.execute(f'CREATE ROLE "{role}" LOGIN')
         admin.execute(f'ALTER SCHEMA "{postgres_schema.name}" OWNER TO "{made.owner}"')
     try:
@@ -62,30 +66,42 @@ def roles(postgres_schema: PostgresSchema) -> Iterator[Roles]:
         with psycopg.connect(conninfo, autocommit=True) as admin:
             admin.execute(f'DROP SCHEMA IF EXISTS "{postgres_schema.name}" CASCADE')
             admin.execute(f'CREATE SCHEMA "{postgres_schema.name}"')  # the fixture drops it
-            for role in (made.app, made.auditor, made.owner):
+            for role in (made.app, made.auditor, made.projector, made.owner):
                 admin.execute(f'DROP OWNED BY "{role}"')
                 admin.execute(f'DROP ROLE "{role}"')
 
 
-def test_the_scheduler_runs_under_an_append_only_role_and_the_server_refuses_rewrites(
+def test_the_scheduler_runs_under_a_role_that_writes_only_through_functions(
     postgres_schema: PostgresSchema, roles: Roles, clock: Clock
 ) -> None:
     # the schema owner creates the tables (as a migration would), then an administrator
-    # grants the application and audit roles their privileges
+    # grants the application, projector and audit roles their privileges
     SchedulerApplication(env={"SECONDBOX_DATABASE_URL": _url(postgres_schema, roles.owner)}).close()
     with psycopg.connect(postgres_schema.server.conninfo(), autocommit=True) as admin:
-        statements = grant(admin, postgres_schema.name, roles.owner, roles.app, roles.auditor)
-    assert any("GRANT SELECT, INSERT ON" in s and "_events" in s for s in statements)
-    assert any("GRANT EXECUTE" in s and '_events_append"(' in s for s in statements)
-    assert any("GRANT EXECUTE" in s and '_events_append_with_snapshots"(' in s for s in statements)
+        statements = grant(
+            admin, postgres_schema.name, roles.owner, roles.app, roles.auditor, roles.projector
+        )
+    granted_to_app = [s for s in statements if s.startswith("GRANT") and roles.app in s]
+    assert any("GRANT SELECT ON" in s and "_events" in s for s in granted_to_app)
+    assert not any("INSERT" in s or "UPDATE" in s for s in granted_to_app)
+    for function in ("append", "append_with_snapshots", "insert", "link"):
+        assert any(f'_events_{function}"(' in s for s in granted_to_app), function
 
-    # start-up under the application role: no CREATE privilege needed
-    app = SchedulerApplication(
-        env={"SECONDBOX_DATABASE_URL": _url(postgres_schema, roles.app)}, now=clock
+    # start-up under the application role: no CREATE privilege needed; its read models
+    # are kept by the projector role
+    env = {
+        "SECONDBOX_DATABASE_URL": _url(postgres_schema, roles.app),
+        "SECONDBOX_READ_MODELS": "external",
+    }
+    app = SchedulerApplication(env=env, now=clock)
+    projector = SchedulerApplication(
+        env={"SECONDBOX_DATABASE_URL": _url(postgres_schema, roles.projector)}
     )
+    assert projector.read_models is not None
     try:
         assert app.recorder.appends_in_server()  # type: ignore[attr-defined]
         register(app, "r1", at=clock())  # registration and a heartbeat
+        projector.read_models.catch_up()
         assert create_sandbox(app, "s1") == "r1"
         assignment, _ = app.schedule(schedule_request("s1", clock()))
         assert app.release("s1", assignment.generation, assignment.fencing_token, {"exit": "clean"})
@@ -96,6 +112,7 @@ def test_the_scheduler_runs_under_an_append_only_role_and_the_server_refuses_rew
         # a batch past a runner's snapshot interval: saved, sealed in the server
         room = {"vcpu_count": 128, "memory_bytes": 256 * 2**30, "disk_bytes": 2000 * 2**30}
         register(app, "r2", at=clock(), allocatable=capacity(instances=64, operations=64, **room))
+        projector.read_models.catch_up()
         names = [f"b{n}" for n in range(10)]
         for name in names:
             create_sandbox(app, name)
@@ -105,20 +122,24 @@ def test_the_scheduler_runs_under_an_append_only_role_and_the_server_refuses_rew
         assert app.snapshots is not None
         assert app.snapshots.recorder.appends_in_server()  # type: ignore[attr-defined]
 
-        # found by review: a table the role may not write fails the server's save with
-        # the same error as a forbidden function, and the server's linking and sealing
-        # stayed off after the grant was mended. The save fails (nothing stored), the
-        # functions are still used, and once the grant is back the saves go through them
-        seals = f'"{postgres_schema.name}".schedulerapplication_snapshots_seal'
+        # found by review: a function no longer the role's to run fails the save (the
+        # role cannot write the tables itself: nothing stored), and once the grant is
+        # mended the saves go through the functions again
+        with_snapshots = (
+            f'"{postgres_schema.name}".schedulerapplication_events_append_with_snapshots'
+            f"({APPEND_WITH_SNAPSHOTS_ARGUMENTS})"
+        )
         with psycopg.connect(postgres_schema.server.conninfo(), autocommit=True) as admin:
-            admin.execute(f'REVOKE INSERT ON {seals} FROM "{roles.app}"')
+            admin.execute(f'REVOKE EXECUTE ON FUNCTION {with_snapshots} FROM "{roles.app}"')
         names = [f"d{n}" for n in range(10)]  # the runner passes 20: a snapshot
         for name in names:
             create_sandbox(app, name)
+        head = app.head_position()
         with pytest.raises(ProgrammingError):
             app.schedule_many([schedule_request(name, clock()) for name in names])
+        assert app.head_position() == head
         with psycopg.connect(postgres_schema.server.conninfo(), autocommit=True) as admin:
-            admin.execute(f'GRANT INSERT ON {seals} TO "{roles.app}"')
+            admin.execute(f'GRANT EXECUTE ON FUNCTION {with_snapshots} TO "{roles.app}"')
         assert all(isinstance(o, tuple) for o in app.schedule_many(
             [schedule_request(name, clock()) for name in names]
         ))  # fmt: skip
@@ -126,9 +147,9 @@ def test_the_scheduler_runs_under_an_append_only_role_and_the_server_refuses_rew
         assert app.snapshots.recorder.appends_in_server()  # type: ignore[attr-defined]
     finally:
         app.close()
+        projector.close()
 
-    # found by review: the function present but not the role's to run (a revoke, or
-    # default privileges without PUBLIC): the client links instead of failing saves
+    # the functions not the role's to run: its saves fail (it cannot link itself)
     with psycopg.connect(postgres_schema.server.conninfo(), autocommit=True) as admin:
         for function, arguments in (
             ("events_append", APPEND_ARGUMENTS),
@@ -138,20 +159,13 @@ def test_the_scheduler_runs_under_an_append_only_role_and_the_server_refuses_rew
                 f'REVOKE EXECUTE ON FUNCTION "{postgres_schema.name}".schedulerapplication_'
                 f'{function}({arguments}) FROM "{roles.app}"'
             )
-    app = SchedulerApplication(
-        env={"SECONDBOX_DATABASE_URL": _url(postgres_schema, roles.app)}, now=clock
-    )
+    app = SchedulerApplication(env=env, now=clock)
     try:
         assert not app.recorder.appends_in_server()  # type: ignore[attr-defined]
-        clock.advance(seconds=1)
-        app.record_heartbeat(runner_id="r1", at=clock())
-        names = [f"c{n}" for n in range(10)]  # a batch with snapshots, sealed in the client
-        for name in names:
-            create_sandbox(app, name)
-        assert all(isinstance(o, tuple) for o in app.schedule_many(
-            [schedule_request(name, clock()) for name in names]
-        ))  # fmt: skip
-        assert not app.snapshots.recorder.appends_in_server()  # type: ignore[union-attr]
+        head = app.head_position()
+        with pytest.raises(ProgrammingError, match="permission denied"):
+            register(app, "r3", at=clock())
+        assert app.head_position() == head
     finally:
         app.close()
 
@@ -165,6 +179,11 @@ def test_the_scheduler_runs_under_an_append_only_role_and_the_server_refuses_rew
             f"UPDATE {chain} SET digest = digest",
             f"DELETE FROM {chain}",
             f"LOCK TABLE {events} IN EXCLUSIVE MODE",
+            f"INSERT INTO {events} (originator_id, originator_version, topic, state) "
+            "SELECT originator_id, originator_version + 100, topic, state "
+            f"FROM {events} LIMIT 1",
+            f"INSERT INTO {chain} VALUES (1000000, 999999, '')",
+            f"SELECT {events}_lock()",
         ):
             with pytest.raises(errors.InsufficientPrivilege), connection.transaction():
                 connection.execute(statement)

@@ -562,7 +562,7 @@ def _recorder(app: SchedulerApplication) -> ChainedPostgresRecorder:
 # the three ways a save with snapshots is made on PostgreSQL
 SERVER_SEALS = "links and seals in the server"  # <events>_append_with_snapshots
 CLIENT_SEALS = "links in the server, seals in the client"  # that function absent
-CLIENT_LINKS = "links and seals in the client"  # a keyed chain
+CLIENT_LINKS = "links and seals in the client"  # a keyed chain (stored by <events>_link)
 
 
 @pytest.mark.parametrize("path", [SERVER_SEALS, CLIENT_SEALS, CLIENT_LINKS])
@@ -579,7 +579,7 @@ def test_snapshots_are_written_in_the_transaction_of_their_events(
         assert app.snapshots is not None
         sealed = app.snapshots.recorder
         assert isinstance(sealed, SealedPostgresSnapshots)
-        assert _recorder(app).appends_in_server() is (path != CLIENT_LINKS)
+        assert _recorder(app).appends_in_server()  # a keyed chain: <events>_insert and _link
         if path == CLIENT_SEALS:
             sealed._appends_in_server = False
         room = {"vcpu_count": 128, "memory_bytes": 256 * 2**30, "disk_bytes": 2000 * 2**30}
@@ -771,12 +771,14 @@ def test_an_error_between_the_insert_and_the_commit_stores_nothing(
     events without their links. The first fix spared psycopg's errors, taking them all
     for the database's; review found psycopg raises some before sending anything (a
     value it cannot adapt; the library wraps it in its ProgrammingError), and those
-    still committed. Any error there now rolls back. (A keyed chain: the client links.
-    An unkeyed one links in the server, where the step between the insert and the
-    commit is the snapshots' write: the test above.)"""
+    still committed. Any error there now rolls back. (A keyed chain: the client links,
+    between ``<events>_insert`` and ``<events>_link``. An unkeyed one links in the
+    server, where the step between the insert and the commit is the snapshots' write:
+    the test above.)"""
     app = SchedulerApplication(env=_chained_env(postgres_schema, keyed=True), now=clock)
     try:
-        assert not _recorder(app).appends_in_server()
+        assert _recorder(app).appends_in_server()
+        assert _recorder(app).chain.keyed
         build(app, clock)
         runners = [runner_uuid("ra"), runner_uuid("rb")]
         versions = app.stream_versions(runners)

@@ -8,7 +8,7 @@ import uuid
 
 import psycopg
 import pytest
-from eventsourcing.persistence import IntegrityError, StoredEvent
+from eventsourcing.persistence import IntegrityError, ProgrammingError, StoredEvent
 
 from secondbox_scheduler.domain.audit.chain import Chain, ChainedEvent
 from secondbox_scheduler.domain.ids import runner_uuid
@@ -213,8 +213,10 @@ def test_the_server_seals_snapshots_as_the_client_would(
     """``<events>_append_with_snapshots`` writes each snapshot with the seal
     ``Chain.seal`` computes from its event's new link: a batch's runner snapshot (the
     audit checks it), and odd topics and states (no events of the domain: not the
-    audit); a snapshot at a version outside the save is stored unsealed (as the client
-    does), and the snapshots read back through the seal check."""
+    audit); a snapshot at a version outside the save is refused with the whole save
+    (found by the red team: the function is the owner's, and a snapshot at an event
+    of an earlier save is how a forged one got in), and the snapshots read back through
+    the seal check."""
     app = SchedulerApplication(env=postgres_schema.env(), now=clock)
     try:
         recorder, sealed = _recorder(app), _sealed(app)
@@ -229,7 +231,11 @@ def test_the_server_seals_snapshots_as_the_client_would(
             for e in odd
         ]
         outside = StoredEvent(uuid.uuid4(), 7, "snapshot:outside", b"{}")
-        positions = recorder.insert_events(odd, snapshots=sealed.within([*snapshots, outside]))
+        head = app.head_position()
+        with pytest.raises(ProgrammingError, match="not at an event of this save"):
+            recorder.insert_events(odd, snapshots=sealed.within([*snapshots, outside]))
+        assert app.head_position() == head
+        positions = recorder.insert_events(odd, snapshots=sealed.within(snapshots))
         assert positions is not None
         assert len(positions) == len(odd)
         _relinked(recorder)

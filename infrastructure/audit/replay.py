@@ -36,6 +36,7 @@ from secondbox_scheduler.domain.placement.evidence import (
 )
 from secondbox_scheduler.domain.values import DurableAssignment, RunnerSnapshot, require_text
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.audit.streams import outside_log
 from secondbox_scheduler.infrastructure.store.chain_reads import (
     chain_head,
     select_links,
@@ -403,6 +404,7 @@ def _checked_fold(
             audit.finish()
         except Exception as error:  # pragma: no cover - a tampered history
             violations.append(Violation(last, "-", "-", "unfoldable", str(error)))
+    violations.extend(outside_log(recorder, read, last))  # the streams hold no other event
     snapshots.finish(None if finished else stop, max(last, verifier.last_position))
     if chained and checkpoint is not None:
         verifier.check(checkpoint)

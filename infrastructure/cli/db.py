@@ -17,13 +17,17 @@ db_cli = typer.Typer(
 @db_cli.command(
     "grant",
     help=(
-        "Give an application role INSERT and SELECT on the events, their chain and the "
-        "snapshots (never UPDATE, DELETE or TRUNCATE: the server refuses), what the read "
-        "models need, EXECUTE on the owner's lock function; and an audit role SELECT only. "
-        "Run it as an administrator after the schema owner has started the scheduler once "
+        "Give the request-serving application role SELECT on every table and EXECUTE on "
+        "the schema owner's save functions (it writes the history only through them, and "
+        "holds no INSERT, UPDATE, DELETE or TRUNCATE on any table); a projector role "
+        "SELECT on the history and the writes of the read models and their tracking "
+        "(run `projections run` under it, the replicas with SECONDBOX_READ_MODELS=external); "
+        "and an audit role SELECT only. Run it as an administrator after the schema owner "
+        "has started the scheduler once "
         "(which creates the tables). Prints each statement.\n\n[bold]Example[/bold]\n\n"
         "  secondbox-scheduler db grant --database-url postgresql://postgres@db/secondbox "
-        "--owner secondbox_owner --app secondbox_app --auditor secondbox_audit"
+        "--owner secondbox_owner --app secondbox_app --projector secondbox_projector "
+        "--auditor secondbox_audit"
     ),
 )
 def db_grant(
@@ -32,6 +36,10 @@ def db_grant(
     database_url: DatabaseUrl,
     auditor: Annotated[
         str | None, typer.Option("--auditor", help="A read-only role for audit.")
+    ] = None,
+    projector: Annotated[
+        str | None,
+        typer.Option("--projector", help="The role that writes the read models (projections)."),
     ] = None,
     schema: Annotated[str, typer.Option("--schema", help="The scheduler's schema.")] = "public",
     dry_run: Annotated[
@@ -48,9 +56,9 @@ def db_grant(
             if dry_run:
                 done = [
                     s.as_string(connection)
-                    for s in grant_statements(connection, schema, owner, app, auditor)
+                    for s in grant_statements(connection, schema, owner, app, auditor, projector)
                 ]
             else:
-                done = grant(connection, schema, owner, app, auditor)
+                done = grant(connection, schema, owner, app, auditor, projector)
     for statement in done:
         stdout().print(statement + ";", highlight=False, soft_wrap=True)

@@ -182,27 +182,37 @@ class StoredApplication(Application[UUID]):
         processing_event: ProcessingEvent[UUID] = ProcessingEvent()
         processing_event.events = list(events)
         processing_event.aggregates = {aggregate.id: aggregate for aggregate in aggregates}
-        taken = self._snapshots_due(processing_event)
+        recordings = self._record(processing_event)
+        self._take_snapshots(processing_event)
+        self._notify(recordings)
+
+    def _record(self, processing_event: ProcessingEvent[UUID]) -> Any:
+        """The library's, with the snapshots due written in the same transaction (and,
+        on PostgreSQL, through the same function of the schema owner) on a chained
+        PostgreSQL store: one commit for the events and the snapshots taken at them.
+        The request-serving role may not insert a snapshot otherwise
+        (docs/operations.md)."""
         events_recorder, snapshots = self.recorder, self.snapshots
         if (
-            taken
-            and snapshots is not None
+            snapshots is not None
             and isinstance(events_recorder, ChainedPostgresRecorder)
             and isinstance(snapshots.recorder, SealedPostgresSnapshots)
             and snapshots.recorder.datastore is events_recorder.datastore
-        ):  # one transaction, one commit, for the events and the snapshots taken at them
-            stored = [snapshots.mapper.to_stored_event(snapshot) for snapshot in taken]
-            processing_event.saved_kwargs["snapshots"] = snapshots.recorder.within(stored)
-            taken = []
-        recordings = self._record(processing_event)
-        if taken and snapshots is not None:
-            snapshots.put(taken)
-        self._notify(recordings)
+            and "snapshots" not in processing_event.saved_kwargs
+        ):
+            taken = self._snapshots_due(processing_event)
+            if taken:
+                stored = [snapshots.mapper.to_stored_event(snapshot) for snapshot in taken]
+                processing_event.saved_kwargs["snapshots"] = snapshots.recorder.within(stored)
+        return super()._record(processing_event)
 
     def _take_snapshots(self, processing_event: ProcessingEvent[UUID]) -> None:
         """Snapshot each saved aggregate whose new events passed a multiple of its
         interval, from the aggregate in memory (the library reads it back from the store
-        for every such event; a batch passes several on a busy runner)."""
+        for every such event; a batch passes several on a busy runner); none when the
+        save wrote them (:meth:`_record`)."""
+        if "snapshots" in processing_event.saved_kwargs:
+            return
         taken = self._snapshots_due(processing_event)
         if taken and self.snapshots is not None:  # one transaction for all of them
             self.snapshots.put(taken)

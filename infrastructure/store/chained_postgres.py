@@ -8,7 +8,15 @@ The lock is taken by a ``SECURITY DEFINER`` function owned by the schema owner
 (``<events table>_lock()``) instead of ``LOCK TABLE`` in the application's own session:
 ``LOCK TABLE ... IN EXCLUSIVE MODE`` needs UPDATE, DELETE or TRUNCATE privilege on the
 table, which an append-only application role does not have (docs/operations.md). An
-unkeyed chain's save is one call of ``<events table>_append`` (:mod:`.server_append`).
+unkeyed chain's save is one call of ``<events table>_append`` (:mod:`.server_append`), a
+keyed chain's two calls in one transaction (``<events table>_insert`` and ``_link``,
+:mod:`.keyed_append`); the client inserts and links itself only where they are absent or
+forbidden (a role with INSERT on the tables: the owner, or a schema of an earlier release).
+
+The events table refuses a position <= 0 (``CHECK (notification_id > 0)``, added at
+creation, and by the owner's next start to a table of an earlier release): the red team
+inserted events at position 0, outside the log that the audit, the checkpoints and the
+read models read, which the aggregates loaded by stream and acted on.
 """
 
 from __future__ import annotations
@@ -29,16 +37,24 @@ from psycopg import Rollback
 from psycopg.rows import tuple_row
 from psycopg.sql import SQL, Identifier
 
-from secondbox_scheduler.domain.audit.chain import ChainedEvent
+from secondbox_scheduler.domain.audit.chain import ChainedEvent, Link
 from secondbox_scheduler.infrastructure.store.chain_tables import (
     ChainedRecorder,
     as_link,
     chain_table,
     lock_function,
 )
+from secondbox_scheduler.infrastructure.store.keyed_append import (
+    INSERT_ARGUMENTS,
+    LINK_ARGUMENTS,
+    insert_function,
+    insert_function_statement,
+    link_function,
+)
 from secondbox_scheduler.infrastructure.store.postgres_chain_sql import (
     compiled,
     insert_unnested,
+    positive_positions_statement,
     quoted,
     unnested,
     unnested_insert,
@@ -57,6 +73,8 @@ log = logging.getLogger("secondbox_scheduler.chain")
 
 class ChainedPostgresRecorder(SavesInServer, ChainedRecorder, PostgresApplicationRecorder):
     """PostgreSQL: the position of an event is its notification id."""
+
+    links_keyed_in_server = True  # a keyed chain saves through <events>_insert and _link
 
     def __init__(
         self, datastore: PostgresDatastore, *, events_table_name: str = "stored_events"
@@ -80,10 +98,36 @@ class ChainedPostgresRecorder(SavesInServer, ChainedRecorder, PostgresApplicatio
                 "$BODY$BEGIN LOCK TABLE {schema}.{events} IN EXCLUSIVE MODE; END;$BODY$"
             ).format(schema=schema, function=function, events=events)
         )
+        self.sql_create_statements.append(
+            positive_positions_statement(datastore.schema, events_table_name)
+        )
         append = Identifier(append_function(events_table_name))
         self.check_identifier_length(append_function(events_table_name))
         self.sql_create_statements.append(
             append_function_statement(schema, events, chain, function, append, self.channel_name)
+        )
+        insert = Identifier(insert_function(events_table_name))
+        self.check_identifier_length(insert_function(events_table_name))
+        self.check_identifier_length(link_function(events_table_name))
+        self.sql_create_statements.append(
+            insert_function_statement(schema, events, chain, function, insert, self.channel_name)
+        )  # <events>_link is created with the snapshots (:mod:`.sealed_postgres`)
+        self.insert_statement = compiled(
+            SQL(
+                "SELECT * FROM {}.{}(%b::uuid[], %b::bigint[], %b::text[], %b::bytea[], %s)"
+            ).format(schema, insert)
+        )
+        self.link_statement = compiled(
+            SQL(
+                "SELECT {}.{}(%b::bigint[], %b::bigint[], %b::bytea[], %b::bytea, %b::uuid[], "
+                "%b::bigint[], %b::text[], %b::bytea[], %b::bytea[])"
+            ).format(schema, Identifier(link_function(events_table_name)))
+        )
+        self.keyed_signatures = (
+            f"{quoted(datastore.schema)}.{quoted(insert_function(events_table_name))}"
+            f"({INSERT_ARGUMENTS})",
+            f"{quoted(datastore.schema)}.{quoted(link_function(events_table_name))}"
+            f"({LINK_ARGUMENTS})",
         )
         self.append_statement = compiled(
             SQL(
@@ -138,6 +182,8 @@ class ChainedPostgresRecorder(SavesInServer, ChainedRecorder, PostgresApplicatio
             raise ProgrammingError("the chained recorder does not use database functions")
         if stored_events and self.appends_in_server():
             try:
+                if self.chain.keyed:
+                    return self._link_in_server(stored_events, snapshots)
                 return self._append_in_server(stored_events, snapshots)
             except ProgrammingError as error:
                 if not self.gone_from_server(error):
@@ -235,6 +281,68 @@ class ChainedPostgresRecorder(SavesInServer, ChainedRecorder, PostgresApplicatio
             if exc:
                 raise exc
         return self._positions(rows, stored_events)
+
+    def _link_in_server(
+        self, stored_events: Sequence[StoredEvent], snapshots: SnapshotsWithin | None
+    ) -> Sequence[int]:
+        """A keyed chain's save (:mod:`.keyed_append`): ``<events>_insert`` (lock, the
+        head, the events, the notification), the links computed here with the key, then
+        ``<events>_link`` (the links checked against the head, stored, and the snapshots
+        of this save with their seals): one transaction, two round trips."""
+        params = (*unnested(stored_events), f"{self.datastore.lock_timeout}s")
+        exc: Exception | None = None
+        positions: list[int] = []
+        with (
+            self.datastore.get_connection() as conn,
+            conn.cursor(row_factory=tuple_row) as inserted,
+        ):
+            with conn.pipeline() as pipeline, conn.transaction(), conn.cursor() as curs:
+                try:
+                    inserted.execute(self.insert_statement, params, prepare=True)
+                    pipeline.sync()
+                    rows = inserted.fetchall()
+                    positions = self._positions(rows, stored_events)
+                    head = (
+                        None if rows[0][2] is None else Link(int(rows[0][1]), 0, bytes(rows[0][2]))
+                    )
+                    links = self.chain.links(
+                        head,
+                        [
+                            ChainedEvent(p, s.originator_id, s.originator_version, s.topic, s.state)
+                            for p, s in zip(positions, stored_events, strict=True)
+                        ],
+                    )
+                    stored = [] if snapshots is None else snapshots.stored
+                    digests = {
+                        (s.originator_id, s.originator_version): k.digest
+                        for s, k in zip(stored_events, links, strict=True)
+                    }
+                    curs.execute(
+                        self.link_statement,
+                        (
+                            [k.position for k in links],
+                            [k.previous for k in links],
+                            [k.digest for k in links],
+                            None if head is None else head.digest,
+                            *unnested(stored),
+                            [
+                                snapshots.recorder.seal_for(
+                                    s, digests[(s.originator_id, s.originator_version)]
+                                )
+                                for s in stored
+                            ]
+                            if snapshots is not None
+                            else [],
+                        ),
+                        prepare=True,
+                    )
+                except Exception as e:
+                    exc = e  # raised after the pipeline is closed, as the library does
+                if exc is not None:
+                    raise Rollback
+            if exc:
+                raise exc
+        return positions
 
     def _appended(
         self, stored_events: Sequence[StoredEvent], statement: bytes, params: tuple[Any, ...]

@@ -10,7 +10,7 @@ from typing import Any
 
 from eventsourcing.persistence import StoredEvent
 from eventsourcing.postgres import PostgresAggregateRecorder
-from psycopg.sql import SQL, Composed, Identifier
+from psycopg.sql import SQL, Composed, Identifier, Literal
 
 MAX_IDENTIFIER_LENGTH = 63  # PostgreSQL's NAMEDATALEN - 1
 
@@ -62,6 +62,35 @@ def seal_and_digest(names: dict[str, Identifier], alias: str) -> Composed:
         "ON c.position = e.notification_id WHERE e.originator_id = {alias}.originator_id "
         "AND e.originator_version = {alias}.originator_version) AS digest"
     ).format(alias=Identifier(alias), **names)
+
+
+def positive_positions_statement(schema: str, events_table: str) -> Composed:
+    """``CHECK (notification_id > 0)`` on the events table, added when missing: at the
+    table's creation, and by the owner's next start to a table of an earlier release.
+    A table that already holds a position <= 0 gets it ``NOT VALID`` (enforced for
+    every new row; the rows there stay, as evidence for ``audit verify``, which names
+    them) with a warning."""
+    name = f"{events_table}_position_positive"
+    table = SQL("{}.{}").format(Identifier(schema), Identifier(events_table))
+    return SQL(
+        "DO $BODY$BEGIN\n"
+        "IF NOT EXISTS (SELECT FROM pg_constraint WHERE conrelid = to_regclass({qualified}) "
+        "AND conname = {name_literal}) THEN\n"
+        "  BEGIN\n"
+        "    ALTER TABLE {table} ADD CONSTRAINT {name} CHECK (notification_id > 0);\n"
+        "  EXCEPTION WHEN check_violation THEN\n"
+        "    ALTER TABLE {table} ADD CONSTRAINT {name} CHECK (notification_id > 0) NOT VALID;\n"
+        "    RAISE WARNING '%: positions <= 0 are stored (hidden from the log: run audit "
+        "verify)', {qualified};\n"
+        "  END;\n"
+        "END IF;\n"
+        "END$BODY$"
+    ).format(
+        qualified=Literal(f"{quoted(schema)}.{quoted(events_table)}"),
+        name_literal=Literal(name),
+        table=table,
+        name=Identifier(name),
+    )
 
 
 def compiled(statement: Composed) -> bytes:

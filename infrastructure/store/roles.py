@@ -1,17 +1,24 @@
-"""Least-privilege PostgreSQL roles: a schema owner, an append-only application role,
-and a read-only audit role (docs/operations.md).
+"""Least-privilege PostgreSQL roles (docs/operations.md): a schema owner, a
+request-serving application role that writes only through the owner's functions, a
+projector role that keeps the read models, and a read-only audit role.
 
 :func:`grant_statements` is the SQL that ``secondbox-scheduler db grant`` runs as an
 administrator, once the schema owner has created the tables (by starting the scheduler
-once under the owner's role). The application role may INSERT and SELECT the events, the
-chain, the snapshots and their seals, and use the read models and their tracking tables;
-it may not UPDATE, DELETE or TRUNCATE the events or the chain: the server refuses. It
-takes the events table's write lock through the owner's ``SECURITY DEFINER`` function
-``<events>_lock()`` (EXECUTE granted to it alone), since ``LOCK TABLE ... IN EXCLUSIVE
-MODE`` needs UPDATE, DELETE or TRUNCATE privilege. EXECUTE on ``<events>_append(...)``
-and ``<events>_append_with_snapshots(...)`` (the saves of an unkeyed chain in one
-statement, :mod:`.server_append`; ``SECURITY INVOKER``, so they insert with the
-application role's own privileges) is likewise granted to the application role alone.
+once under the owner's role, with its read models). The application role gets SELECT on
+every table of the schema and EXECUTE on the save functions (``<events>_append``,
+``<events>_append_with_snapshots`` for an unkeyed chain, ``<events>_insert`` and
+``<events>_link`` for a keyed one: ``SECURITY DEFINER``, owned by the schema owner,
+:mod:`.server_append`, :mod:`.keyed_append`) and nothing else: no INSERT, UPDATE,
+DELETE or TRUNCATE on any table, and no use of the sequences (positions come from the
+functions). Found by the red team: with INSERT on the events, the chain and the
+snapshots, the role hid events at position 0, planted a far-future link and stored a
+forged snapshot; with UPDATE on the read models, it made the API serve false state and
+stopped the projections.
+
+The read models and their tracking tables are written by the projector role
+(``--projector``: ``secondbox-scheduler projections run`` under it, the serving
+replicas with ``SECONDBOX_READ_MODELS=external``), which may read the history and
+write nothing else. Without ``--projector`` nobody but the owner writes them.
 """
 
 from __future__ import annotations
@@ -19,15 +26,23 @@ from __future__ import annotations
 from psycopg import Connection
 from psycopg.sql import SQL, Composed, Identifier
 
+from secondbox_scheduler.infrastructure.store.keyed_append import (
+    INSERT_ARGUMENTS,
+    LINK_ARGUMENTS,
+)
 from secondbox_scheduler.infrastructure.store.server_append import (
     APPEND_ARGUMENTS,
     APPEND_WITH_SNAPSHOTS_ARGUMENTS,
-    append_function,
-    append_with_snapshots_function,
 )
 
-APPEND_ONLY = ("events", "events_chain")  # suffixes of the append-only tables
+HISTORY = ("events", "events_chain", "snapshots", "snapshots_seal")  # the suffixes
 PREFIX = "schedulerapplication_"
+SAVE_FUNCTIONS = (  # (name suffix, signature): the saves the application role may call
+    ("events_append", APPEND_ARGUMENTS),
+    ("events_append_with_snapshots", APPEND_WITH_SNAPSHOTS_ARGUMENTS),
+    ("events_insert", INSERT_ARGUMENTS),
+    ("events_link", LINK_ARGUMENTS),
+)
 
 
 def grant_statements(
@@ -36,9 +51,11 @@ def grant_statements(
     owner: str,
     application: str,
     auditor: str | None = None,
+    projector: str | None = None,
 ) -> list[Composed]:
-    """The statements that give ``application`` and ``auditor`` their privileges on the
-    tables ``owner`` made in ``schema`` (and take every other privilege away)."""
+    """The statements that give ``application``, ``projector`` and ``auditor`` their
+    privileges on the tables ``owner`` made in ``schema`` (and take every other
+    privilege away)."""
     tables = [
         str(row[0])
         for row in connection.execute(
@@ -47,8 +64,8 @@ def grant_statements(
             (schema, owner),
         ).fetchall()
     ]
-    append_only = {PREFIX + suffix for suffix in APPEND_ONLY}
-    if not append_only <= set(tables):
+    history = {PREFIX + suffix for suffix in HISTORY}
+    if not {PREFIX + "events", PREFIX + "events_chain"} <= set(tables):
         raise LookupError(
             f"{schema}: the tables of the scheduler are not there, or not owned by {owner} "
             "(start the scheduler once as the schema owner first)"
@@ -59,12 +76,11 @@ def grant_statements(
         SQL("GRANT USAGE ON SCHEMA {} TO {}").format(s, app),
         SQL("REVOKE CREATE ON SCHEMA {} FROM {}").format(s, app),
         SQL("REVOKE ALL ON FUNCTION {}.{}() FROM PUBLIC").format(s, lock),
-        SQL("GRANT EXECUTE ON FUNCTION {}.{}() TO {}").format(s, lock, app),
+        SQL("REVOKE ALL ON FUNCTION {}.{}() FROM {}").format(s, lock, app),
+        SQL("REVOKE ALL ON ALL SEQUENCES IN SCHEMA {} FROM {}").format(s, app),
     ]
-    for function, arguments in (
-        (append_function(PREFIX + "events"), APPEND_ARGUMENTS),
-        (append_with_snapshots_function(PREFIX + "events"), APPEND_WITH_SNAPSHOTS_ARGUMENTS),
-    ):  # the saves in one statement (a schema of an earlier release: none or one)
+    for suffix, arguments in SAVE_FUNCTIONS:
+        function = PREFIX + suffix
         if connection.execute(
             "SELECT 1 FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
             "WHERE n.nspname = %s AND p.proname = %s",
@@ -75,15 +91,26 @@ def grant_statements(
                 SQL("REVOKE ALL ON FUNCTION {} FROM PUBLIC").format(signature),
                 SQL("GRANT EXECUTE ON FUNCTION {} TO {}").format(signature, app),
             ]
-    statements.append(SQL("GRANT USAGE ON ALL SEQUENCES IN SCHEMA {} TO {}").format(s, app))
-    for table in tables:
+    for table in tables:  # read only: every write goes through the functions
         t = Identifier(table)
-        statements.append(SQL("REVOKE ALL ON {}.{} FROM {}").format(s, t, app))
-        if table in append_only or table.startswith(PREFIX + "snapshots"):
-            privileges = SQL("SELECT, INSERT")  # never UPDATE, DELETE or TRUNCATE
-        else:  # read models and their tracking: rewritten as the log is projected
-            privileges = SQL("SELECT, INSERT, UPDATE, DELETE")
-        statements.append(SQL("GRANT {} ON {}.{} TO {}").format(privileges, s, t, app))
+        statements += [
+            SQL("REVOKE ALL ON {}.{} FROM {}").format(s, t, app),
+            SQL("GRANT SELECT ON {}.{} TO {}").format(s, t, app),
+        ]
+    if projector:
+        p = Identifier(projector)
+        statements += [
+            SQL("GRANT USAGE ON SCHEMA {} TO {}").format(s, p),
+            SQL("REVOKE CREATE ON SCHEMA {} FROM {}").format(s, p),
+        ]
+        for table in tables:
+            t = Identifier(table)
+            statements.append(SQL("REVOKE ALL ON {}.{} FROM {}").format(s, t, p))
+            if table in history:
+                privileges = SQL("SELECT")
+            else:  # read models and their tracking: rewritten as the log is projected
+                privileges = SQL("SELECT, INSERT, UPDATE, DELETE")
+            statements.append(SQL("GRANT {} ON {}.{} TO {}").format(privileges, s, t, p))
     if auditor:
         a = Identifier(auditor)
         statements += [
@@ -99,9 +126,10 @@ def grant(
     owner: str,
     application: str,
     auditor: str | None = None,
+    projector: str | None = None,
 ) -> list[str]:
     """Run :func:`grant_statements` in one transaction; returns them as text."""
-    statements = grant_statements(connection, schema, owner, application, auditor)
+    statements = grant_statements(connection, schema, owner, application, auditor, projector)
     with connection.transaction():
         for statement in statements:
             connection.execute(statement)

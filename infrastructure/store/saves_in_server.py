@@ -9,7 +9,10 @@ from eventsourcing.postgres import PostgresDatastore
 from psycopg.errors import InsufficientPrivilege, UndefinedFunction
 
 from secondbox_scheduler.domain.audit.chain import Chain
-from secondbox_scheduler.infrastructure.store.server_append import usable_in_server
+from secondbox_scheduler.infrastructure.store.server_append import (
+    usable_in_server,
+    writes_tables_itself,
+)
 
 
 class SavesInServer:
@@ -18,21 +21,31 @@ class SavesInServer:
 
     chain: Chain
     datastore: PostgresDatastore
+    events_table_name: str
     append_signature: str
     _appends_in_server: bool | None
+    links_keyed_in_server = False  # whether a keyed chain saves through functions too
+    keyed_signatures: tuple[str, ...] = ()  # the functions of a keyed chain's save
 
     def appends_in_server(self) -> bool:
-        """Whether a save goes through the function of ``append_signature``: an
-        unkeyed chain over UUID ids (a key never goes to the server), a UTF8 database
-        and the function present and this role's to run (:func:`usable_in_server`).
-        Looked up once; a save that finds it gone or forbidden saves without it from
-        then on."""
+        """Whether a save goes through the function of ``append_signature`` (an
+        unkeyed chain) or those of ``keyed_signatures`` (a keyed chain, whose key never
+        goes to the server: :mod:`.keyed_append`): UUID ids, a UTF8 database and the
+        functions present and this role's to run (:func:`usable_in_server`). Looked up
+        once; a save that finds them gone or forbidden saves without them from then on
+        (which needs INSERT on the tables: the schema owner's role)."""
         if self._appends_in_server is None:
-            self._appends_in_server = (
-                not self.chain.keyed
+            keyed = self.chain.keyed
+            signatures = self.keyed_signatures if keyed else (self.append_signature,)
+            usable = (
+                (not keyed or self.links_keyed_in_server)
                 and self.datastore.originator_id_type == "uuid"
-                and usable_in_server(self.datastore, self.append_signature)
+                and all(usable_in_server(self.datastore, s) for s in signatures)
             )
+            if usable or writes_tables_itself(self.datastore, self.events_table_name):
+                self._appends_in_server = usable
+            else:  # this role's saves fail either way: looked up again at the next save
+                return False
         return self._appends_in_server
 
     def gone_from_server(self, error: ProgrammingError) -> bool:
@@ -45,4 +58,8 @@ class SavesInServer:
         if not isinstance(error.__cause__, UndefinedFunction | InsufficientPrivilege):
             return False
         self._appends_in_server = None
-        return not self.appends_in_server()
+        if self.appends_in_server():
+            return False
+        # a role that may not write the tables itself (the request-serving role) fails
+        # here: its saves go through the functions again once they are its to run
+        return self._appends_in_server is not None

@@ -16,7 +16,15 @@ from psycopg.rows import tuple_row
 from psycopg.sql import SQL, Composable, Composed, Identifier
 
 from secondbox_scheduler.domain.audit.chain import Chain
-from secondbox_scheduler.infrastructure.store.chain_tables import chain_table, seal_table
+from secondbox_scheduler.infrastructure.store.chain_tables import (
+    chain_table,
+    lock_function,
+    seal_table,
+)
+from secondbox_scheduler.infrastructure.store.keyed_append import (
+    link_function,
+    link_function_statement,
+)
 from secondbox_scheduler.infrastructure.store.postgres_chain_sql import (
     MAX_IDENTIFIER_LENGTH,
     chain_digests_statement,
@@ -82,10 +90,22 @@ class SealedPostgresSnapshots(SavesInServer, SealedSnapshots, PostgresAggregateR
         when its name fits PostgreSQL's identifiers: else the snapshots are sealed in
         the client)."""
         super().configure(chain, events_table)
+        schema = Identifier(self.datastore.schema)
+        if len(link_function(events_table)) <= MAX_IDENTIFIER_LENGTH:
+            self.sql_create_statements.append(  # a keyed chain's links and snapshots
+                link_function_statement(
+                    schema,
+                    Identifier(events_table),
+                    Identifier(chain_table(events_table)),
+                    Identifier(lock_function(events_table)),
+                    Identifier(link_function(events_table)),
+                    Identifier(self.events_table_name),
+                    Identifier(seal_table(self.events_table_name)),
+                )
+            )
         name = append_with_snapshots_function(events_table)
         if len(name) > MAX_IDENTIFIER_LENGTH:
             return
-        schema = Identifier(self.datastore.schema)
         self.sql_create_statements.append(
             append_with_snapshots_statement(
                 schema,

@@ -1,7 +1,15 @@
 """The saves that PostgreSQL makes in one statement for an unkeyed chain (plpgsql
 functions created with the tables by :mod:`.chained_postgres` and :mod:`.sealed_postgres`;
-:mod:`.chained_postgres` calls them, and links or seals in the client where they are
-absent, forbidden or the chain is keyed).
+:mod:`.chained_postgres` calls them; a keyed chain saves through the functions of
+:mod:`.keyed_append`; the client links and seals itself only where they are absent or
+forbidden, which needs INSERT on the tables: the schema owner's role, or a schema of an
+earlier release).
+
+Every one of them is ``SECURITY DEFINER`` (owned by the schema owner, ``search_path``
+pinned, its arguments checked): the request-serving role writes the history only
+through them and holds no INSERT, UPDATE, DELETE or TRUNCATE on any table
+(docs/operations.md). Positions come from the events table's sequence, never from the
+caller; a snapshot is written only at an event of the same call.
 
 ``<events>_append(ids, versions, topics, states, lock_timeout)`` takes the events
 table's lock, inserts the events, links them and notifies. ``<events>_append_with_
@@ -27,6 +35,41 @@ def append_function(events_table: str) -> str:
     return f"{events_table}_append"
 
 
+def checked_events_sql() -> str:
+    """plpgsql that refuses malformed events arrays (``ids``, ``versions``, ``topics``,
+    ``states``) and lock timeout: a ``SECURITY DEFINER`` function checks what its
+    caller passes."""
+    return (
+        "  IF ids IS NULL OR versions IS NULL OR topics IS NULL OR states IS NULL "
+        "OR cardinality(versions) <> cardinality(ids) OR cardinality(topics) <> cardinality(ids) "
+        "OR cardinality(states) <> cardinality(ids) OR array_position(ids, NULL) IS NOT NULL "
+        "OR array_position(topics, NULL) IS NOT NULL "
+        "OR array_position(states, NULL) IS NOT NULL "
+        "OR EXISTS (SELECT FROM unnest(versions) AS v WHERE v IS NULL OR v < 1) THEN\n"
+        "    RAISE EXCEPTION 'secondbox: malformed events (arrays of one length, no null, "
+        "versions from 1)';\n"
+        "  END IF;\n"
+        "  IF lock_timeout IS NULL OR length(lock_timeout) > 20 "
+        "OR lock_timeout !~ '^[0-9]+(\\.[0-9]+)?(ms|s)?$' THEN\n"
+        "    RAISE EXCEPTION 'secondbox: malformed lock timeout';\n"
+        "  END IF;\n"
+    )
+
+
+def checked_snapshots_sql(arrays: str = "") -> str:
+    """plpgsql that refuses malformed snapshot arrays (and ``seals``, when named)."""
+    names = ["snapshot_ids", "snapshot_versions", "snapshot_topics", "snapshot_states"]
+    if arrays:
+        names.append(arrays)
+    nulls = " OR ".join(f"{n} IS NULL OR array_position({n}, NULL) IS NOT NULL" for n in names)
+    lengths = " OR ".join(f"cardinality({n}) <> cardinality(snapshot_ids)" for n in names[1:])
+    return (
+        f"  IF {nulls} OR {lengths} THEN\n"
+        "    RAISE EXCEPTION 'secondbox: malformed snapshots (arrays of one length, no null)';\n"
+        "  END IF;\n"
+    )
+
+
 APPEND_ARGUMENTS = "uuid[], bigint[], text[], bytea[], text"  # the function's signature
 
 
@@ -45,17 +88,19 @@ def append_function_statement(
     SHA-256 (every field length-prefixed or fixed-width, big-endian), inserts the links,
     and returns each event's position and digest. The lock is then held for one round
     trip and the commit, not for two round trips and the client's hashing in between. A
-    keyed chain never sends its key to the server: it links in the client."""
+    keyed chain never sends its key to the server: it saves through :mod:`.keyed_append`.
+    ``SECURITY DEFINER``: the caller needs EXECUTE on it, no privilege on the tables."""
     return SQL(
         "CREATE OR REPLACE FUNCTION {schema}.{append}("
         "ids uuid[], versions bigint[], topics text[], states bytea[], lock_timeout text) "
         "RETURNS TABLE (appended bigint, link bytea) "
-        "LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $BODY$\n"
+        "LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $BODY$\n"
         "DECLARE\n"
         "  positions bigint[]; previous bigint[]; digests bytea[];\n"
         "  prior_position bigint; prior bytea; topic bytea;\n"
         "BEGIN\n"
-        "  PERFORM set_config('lock_timeout', lock_timeout, true);\n"
+        + checked_events_sql()
+        + "  PERFORM set_config('lock_timeout', lock_timeout, true);\n"
         "  PERFORM {schema}.{lock}();\n"
         "  SELECT c.position, c.digest INTO prior_position, prior FROM {schema}.{chain} c "
         "ORDER BY c.position DESC LIMIT 1;\n"
@@ -112,18 +157,27 @@ def append_with_snapshots_statement(
     saved by ``<events>_append`` (lock, links, notification), then the snapshots and the
     seal of each one taken at an event of this save, computed as
     :meth:`~secondbox_scheduler.domain.audit.chain.Chain.seal` does from that event's new
-    link. Returns what ``<events>_append`` returns. ``SECURITY INVOKER``: it writes with
-    the caller's own privileges."""
+    link. Returns what ``<events>_append`` returns. ``SECURITY DEFINER``; it refuses a
+    snapshot that is not at an event of the same call (found by the red team: under
+    ``SECURITY INVOKER`` with INSERT on the snapshots, the application role stored a
+    runner's snapshot with nothing reserved, sealed from public data, and a fresh replica
+    acted on it)."""
     return SQL(
         "CREATE OR REPLACE FUNCTION {schema}.{append_with_snapshots}("
         "ids uuid[], versions bigint[], topics text[], states bytea[], lock_timeout text, "
         "snapshot_ids uuid[], snapshot_versions bigint[], snapshot_topics text[], "
         "snapshot_states bytea[]) "
         "RETURNS TABLE (appended bigint, link bytea) "
-        "LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $BODY$\n"
+        "LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $BODY$\n"
         "DECLARE\n"
         "  positions bigint[]; digests bytea[];\n"
         "BEGIN\n"
+        + checked_snapshots_sql()
+        + "  IF EXISTS (SELECT FROM unnest(snapshot_ids, snapshot_versions) AS u(i, v) "
+        "WHERE NOT EXISTS (SELECT FROM unnest(ids, versions) AS e(i, v) "
+        "WHERE e.i = u.i AND e.v = u.v)) THEN\n"
+        "    RAISE EXCEPTION 'secondbox: a snapshot not at an event of this save';\n"
+        "  END IF;\n"
         "  SELECT array_agg(a.appended ORDER BY a.appended), "
         "array_agg(a.link ORDER BY a.appended) INTO positions, digests "
         "FROM {schema}.{append}(ids, versions, topics, states, lock_timeout) AS a;\n"
@@ -161,6 +215,19 @@ def usable_in_server(datastore: Any, signature: str) -> bool:
             "SELECT current_setting('server_encoding') = 'UTF8' AND coalesce("
             "has_function_privilege(to_regprocedure(%s), 'EXECUTE'), false)",
             (signature,),
+        )
+        row = curs.fetchone()
+    return bool(row is not None and row[0])
+
+
+def writes_tables_itself(datastore: Any, table: str) -> bool:
+    """Whether this role may INSERT into ``table`` of the store's schema itself (the
+    schema owner may; the request-serving role, which writes only through the
+    functions, may not: a save of its without them cannot succeed)."""
+    with datastore.get_connection() as conn, conn.cursor(row_factory=tuple_row) as curs:
+        curs.execute(
+            "SELECT coalesce(has_table_privilege(to_regclass(%s), 'INSERT'), false)",
+            (f'"{datastore.schema}"."{table}"',),
         )
         row = curs.fetchone()
     return bool(row is not None and row[0])
