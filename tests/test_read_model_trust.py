@@ -81,7 +81,8 @@ def test_a_tampered_runner_row_never_becomes_a_home(store: Store, clock: Clock) 
     app = store.open()
     drained_and_silent_r1(app, clock)
     lied = read_models_of(app).runners.snapshot("r1")
-    assert lied is not None and lied.drain_phase == "active", "the row lies"
+    assert lied is not None
+    assert lied.drain_phase == "active", "the row lies"
     assert create_sandbox(app, "s1") == "r2", "the aggregates refuse r1: drained and silent"
     expected = home_decision_record(
         decide(requirements(), app.fold_runner_snapshots("pool-a"), clock(), HEARTBEAT_TIMEOUT),
@@ -153,7 +154,8 @@ def test_readiness_refuses_a_position_beyond_the_head(store: Store, clock: Clock
             answer = client.get("/readyz")
             assert answer.status_code == 503, mode
             body = answer.json()
-            assert body["ready"] is False and body["store"] == "ok"
+            assert body["ready"] is False
+            assert body["store"] == "ok"
             assert any("beyond the log's head" in reason for reason in body["reasons"])
             read_models_of(app).clear()  # a rebuild repairs it
             read_models_of(app).catch_up()
@@ -169,13 +171,12 @@ def test_readiness_bound_is_a_setting(store: Store, clock: Clock) -> None:
     register(app, "r1", at=clock())  # three events, none applied
     with api_client(app) as client:
         body = client.get("/readyz").json()
-        assert body["max_lag_events"] == 2 and body["ready"] is False
+        assert body["max_lag_events"] == 2
+        assert body["ready"] is False
         assert any("behind the log" in reason for reason in body["reasons"])
     with pytest.raises(Exception, match="SECONDBOX_READY_MAX_LAG"):
         create_app(
-            SchedulerApplication(
-                env={**store.env, "SECONDBOX_READY_MAX_LAG": "many"}, now=clock
-            )
+            SchedulerApplication(env={**store.env, "SECONDBOX_READY_MAX_LAG": "many"}, now=clock)
         )
 
 
@@ -210,8 +211,10 @@ def test_verify_passes_on_a_clean_history(store: Store, clock: Clock, url: str) 
     code, out = verify_cli(app, url, "--json")
     assert code == 0, out
     report = json.loads(out)
-    assert report["equal"] is True and report["differences"] == []
-    assert report["runners"] == 2 and report["assignments"] == 3
+    assert report["equal"] is True
+    assert report["differences"] == []
+    assert report["runners"] == 2
+    assert report["assignments"] == 3
 
 
 def test_verify_names_a_tampered_runner_field(store: Store, clock: Clock, url: str) -> None:
@@ -236,7 +239,8 @@ def test_verify_names_a_tampered_runner_field(store: Store, clock: Clock, url: s
     ]
     code, text = verify_cli(app, url)
     assert code == 1
-    assert "r2" in text and "drain_phase" in text
+    assert "r2" in text
+    assert "drain_phase" in text
 
 
 def test_verify_names_tampered_missing_and_extra_assignment_rows(
