@@ -259,8 +259,8 @@ def test_verify_names_tampered_missing_and_extra_assignment_rows(
     code, out = verify_cli(app, url, "--json")
     assert code == 1, out
     found = {(d["read_model"], d["key"], d["field"]) for d in json.loads(out)["differences"]}
-    assert ("assignments", "s1/0", "state") in found
-    assert ("assignments", "s2/0", "row") in found
+    assert ("assignments", "s1/1", "state") in found
+    assert ("assignments", "s2/1", "row") in found
     assert ("runner_snapshots", "r1", "reserved.instances") in found
 
 
