@@ -272,3 +272,38 @@ def test_verify_reports_a_position_beyond_the_head(store: Store, clock: Clock, u
     assert code == 1, out
     found = {(d["read_model"], d["field"]) for d in json.loads(out)["differences"]}
     assert found == {("runner_snapshots", "position"), ("assignments", "position")}
+
+
+def test_a_lagging_heartbeat_is_checked_without_folding_the_pool(
+    store: Store, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read model lags (external): the chosen runner's aggregates differ from its
+    row only by a newer heartbeat, so the choice stands on the aggregates' snapshot and
+    the pool is not folded."""
+    app = SchedulerApplication(env={**store.env, "SECONDBOX_READ_MODELS": "external"}, now=clock)
+    store.opened.append(app)
+    register(app, "r1", at=clock())
+    register(app, "r2", at=clock())
+    read_models_of(app).catch_up()
+    clock.advance(seconds=20)
+    register_heartbeat(app, "r1", clock)  # not applied to the read model
+
+    def no_pool_fold(pool_name: str | None = None) -> list[Any]:
+        raise AssertionError("the pool was folded")
+
+    monkeypatch.setattr(app.queries, "fold_runner_snapshots", no_pool_fold)
+    assert create_sandbox(app, "s1") == "r1"
+    recorded = home_decision(app, "s1")
+    assert recorded["chosen_runner_id"] == "r1"
+
+
+def test_a_query_on_a_read_model_ahead_of_the_log_answers_503(store: Store, clock: Clock) -> None:
+    app = store.open()
+    register(app, "r1", at=clock())
+    read_models_of(app).catch_up()
+    with api_client(app) as client:
+        move_positions(app, TAMPERED_POSITION)
+        answer = client.get("/v1/runners/r1")
+        assert answer.status_code == 503
+        assert answer.json()["error"]["code"] == "read_model_unavailable"
+        assert "beyond the log's head" in answer.json()["error"]["message"]
