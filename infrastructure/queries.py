@@ -24,6 +24,7 @@ from secondbox_scheduler.domain.values import (
     RunnerSnapshot,
     require_text,
 )
+from secondbox_scheduler.infrastructure.home_check import checked_home_candidates
 from secondbox_scheduler.infrastructure.store.application_store import StoredApplication
 from secondbox_scheduler.projections.candidates import home_candidates
 from secondbox_scheduler.projections.read_models import ReadModels
@@ -73,11 +74,24 @@ class SchedulerQueries:
         """The runners to evaluate for a home decision, and counts of the pool's others:
         with the read model, the pool's prefiltered candidates a page at a time
         (:func:`secondbox_scheduler.projections.candidates.home_candidates`); without it,
-        every runner of the pool, folded from the aggregates."""
+        every runner of the pool, folded from the aggregates. The runner the rules
+        choose among the read model's candidates is checked against its aggregates
+        first (:mod:`.home_check`): the home recorded is always true by the aggregates."""
         read_models = self.current_read_models()
         if read_models is None:
             return self.fold_runner_snapshots(requirements.pool_name), Unlisted()
-        return home_candidates(read_models.runners, requirements, now, heartbeat_timeout)
+        candidates, unlisted = home_candidates(
+            read_models.runners, requirements, now, heartbeat_timeout
+        )
+        return checked_home_candidates(
+            requirements,
+            candidates,
+            unlisted,
+            now,
+            heartbeat_timeout,
+            fold_runner=self.fold_runner,
+            fold_pool=self.fold_runner_snapshots,
+        )
 
     # -- assignments and runners ---------------------------------------------------
 

@@ -31,6 +31,10 @@ BATCH_WAIT_MS = "SECONDBOX_BATCH_WAIT_MS"
 # Advisory locks on a batch's home runners (infrastructure/placing/runner_locks.py, PostgreSQL):
 # "on" (default) or "off", to measure what they change.
 RUNNER_LOCKS = "SECONDBOX_RUNNER_LOCKS"
+# Events a read model may lag behind the log before /readyz answers 503 (``serve
+# --max-read-model-lag`` wins over it).
+READY_MAX_LAG = "SECONDBOX_READY_MAX_LAG"
+DEFAULT_READY_MAX_LAG = 1000
 DEFAULT_SQLITE_URL = "sqlite:///secondbox.db"
 # The key of the event chain and snapshot seals (HMAC-SHA-256; unset: SHA-256 alone).
 AUDIT_KEY = "SECONDBOX_AUDIT_KEY"
@@ -71,6 +75,22 @@ def clock_tolerance(value: str | None) -> timedelta:
             CLOCK_TOLERANCE_SECONDS, f"must be a number of seconds from 0 to {limit:g}", value
         )
     return timedelta(seconds=seconds)
+
+
+def ready_max_lag(value: str | None) -> int:
+    """The readiness bound (``SECONDBOX_READY_MAX_LAG``): a whole number of events, 0 or
+    more; 1,000 when unset."""
+    if not value:
+        return DEFAULT_READY_MAX_LAG
+    try:
+        events = int(value)
+    except ValueError:
+        events = -1
+    if events < 0:
+        raise InvalidRequestError(
+            READY_MAX_LAG, "must be a whole number of events, 0 or more", value
+        )
+    return events
 
 
 def batch_setting(value: str | None, default: float, name: str) -> float:

@@ -8,7 +8,9 @@ with the position the page reaches (exactly once: a replica that loses the race 
 page rolls back and reads the new position). A notification of a topic a projection
 neither handles nor ignores (an event class it does not know) is not decoded; it is
 counted for that projection, once its page is applied, and :meth:`ReadModels.status`
-shows the counts (:mod:`projections.unknown_events`). A page's row changes
+shows the counts (:mod:`projections.unknown_events`). A tracking position beyond the
+log's head (tampered with) is an error, :class:`ReadModelAheadError`, raised by the
+catch-up and reported by :meth:`ReadModels.status`. A page's row changes
 are folded into one net change per row before they are written
 (:mod:`projections.row_changes`); a rebuild reads much bigger pages than the inline
 catch-up, so it writes each row about once.
@@ -34,6 +36,7 @@ from eventsourcing.projection import ProjectionRunner
 from eventsourcing.sqlite import SQLiteApplicationRecorder
 from eventsourcing.utils import resolve_topic, strtobool
 
+from secondbox_scheduler.domain.errors import SchedulerError
 from secondbox_scheduler.projections.assignments import (
     AssignmentsProjection,
     AssignmentsView,
@@ -90,6 +93,27 @@ def supports_read_models(app: Application[Any]) -> bool:
     return isinstance(app.recorder, (SQLiteApplicationRecorder, PostgresApplicationRecorder))
 
 
+class ReadModelAheadError(SchedulerError):
+    """A read model's tracking position lies beyond the log's head: it claims to have
+    applied events that were never written. Only a tampered tracking table (or the
+    tables of another log) gets there; catching up past it would apply nothing, so the
+    read model would stop silently. Rebuild it (``projections rebuild``)."""
+
+    retryable = False
+
+    def __init__(self, name: str, position: int, head: int) -> None:
+        self.name, self.position, self.head = name, position, head
+        super().__init__(f"SecondBox scheduler read model {name!r}: {ahead_text(position, head)}")
+
+
+def ahead_text(position: int, head: int) -> str:
+    return (
+        f"tracking position {position:,} is beyond the log's head {head:,} (tampered "
+        "with, or the tables of another log): rebuild it (secondbox-scheduler projections "
+        "rebuild)"
+    )
+
+
 @dataclass(frozen=True)
 class ProjectionStatus:
     name: str
@@ -98,6 +122,8 @@ class ProjectionStatus:
     lag_events: int
     # events of classes the projection does not know, met by this process, by topic
     unknown_events: Mapping[str, int] = field(default_factory=dict)
+    # why the read model cannot be trusted (its position beyond the head), or None
+    error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -106,6 +132,7 @@ class ProjectionStatus:
             "head": self.head,
             "lag_events": self.lag_events,
             "unknown_events": dict(self.unknown_events),
+            "error": self.error,
         }
 
 
@@ -213,7 +240,8 @@ class ReadModels:
         with the position the page reaches. ``progress`` is called with how many
         positions each page covered. Returns how many notifications were read (those of
         the topics not every projection ignores). ``asynchronous_commit``: see
-        :meth:`SqlView.apply`.
+        :meth:`SqlView.apply`. A view whose position lies beyond the log's head raises
+        :class:`ReadModelAheadError` (nothing is applied): a catch-up never skips silently.
         """
         with self._lock:
             if not self._positions_ensured:
@@ -234,7 +262,10 @@ class ReadModels:
         asynchronous_commit: bool,
     ) -> int:
         positions = {name: self.position(name) for name in self.views}
-        head = self.app.recorder.max_notification_id() or 0
+        head = self.app.recorder.max_notification_id() or 0  # read after the positions
+        for name, position in positions.items():
+            if position > head:  # never skipped silently: it would stop the read model
+                raise ReadModelAheadError(name, position, head)
         end = head if until is None else min(until, head)
         after = min(positions.values())
         read = 0
@@ -309,12 +340,15 @@ class ReadModels:
             view.wait(self.app.name, position, timeout=timeout)
 
     def status(self) -> list[ProjectionStatus]:
-        """Each view's position, the log's head, its lag, and the events of unknown
-        classes its projection met in this process (since it started or was cleared)."""
+        """Each view's position, the log's head, its lag, the events of unknown classes
+        its projection met in this process (since it started or was cleared), and an
+        error when its position lies beyond the head (:class:`ReadModelAheadError`).
+        The positions are read before the head, so a concurrent catch-up never makes
+        a position look ahead."""
+        positions = {name: self.position(name) for name in self.views}
         head = self.app.recorder.max_notification_id() or 0
         statuses = []
-        for name in self.views:
-            position = self.position(name)
+        for name, position in positions.items():
             statuses.append(
                 ProjectionStatus(
                     name,
@@ -322,6 +356,7 @@ class ReadModels:
                     head,
                     count_events_after(self.app.recorder, position),
                     self.projections[name].unknown_events.counts(),
+                    ahead_text(position, head) if position > head else None,
                 )
             )
         return statuses

@@ -19,7 +19,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from secondbox_scheduler.domain import Capacity, HomeRunnerUnavailableError, SchedulerError
+from secondbox_scheduler.domain import (
+    Capacity,
+    HomeRunnerUnavailableError,
+    NoCompatibleRunnerError,
+    SchedulerError,
+)
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.projections.read_models import ReadModels, rebuild
 from secondbox_scheduler.testing import histories, run_history
@@ -156,10 +161,13 @@ def test_a_stale_projection_never_causes_a_wrong_reservation(store: Store, clock
     store.opened.append(stale)
     read_models_of(stale).catch_up()  # the read model now says r1 has one free slot
     create_sandbox(fresh, "s1")
+    assert create_sandbox(stale, "s2") == "r1"  # true then
     fresh.schedule(schedule_request("s1", clock()))  # takes the slot; stale does not see it
     assert read_models_of(stale).runners.snapshot("r1").reserved == Capacity()  # type: ignore[union-attr]
-    assert create_sandbox(stale, "s2") == "r1", "the stale read model still offers r1"
     before = fresh.head_position()
+    # the stale read model still offers r1; its aggregates refuse it (docs/spec.md 8.1)
+    with pytest.raises(NoCompatibleRunnerError, match="insufficient instances"):
+        create_sandbox(stale, "s3")
     with pytest.raises(HomeRunnerUnavailableError, match="insufficient instances"):
         stale.schedule(schedule_request("s2", clock()))
     assert only_refusals_since(fresh, before)

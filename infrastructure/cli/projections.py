@@ -1,4 +1,5 @@
-"""The ``projections`` command group: keep the read models current, show their lag, rebuild them."""
+"""The ``projections`` command group: keep the read models current, show their lag, rebuild
+them, verify them against a fold of the log."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Annotated
 import typer
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -29,6 +31,7 @@ from secondbox_scheduler.infrastructure.cli.common import (
     store_env,
     store_errors,
 )
+from secondbox_scheduler.infrastructure.read_model_verify import VerifyReport, verify_read_models
 from secondbox_scheduler.infrastructure.settings import (
     DEFAULT_SQLITE_URL,
     POSTGRES_MODULE,
@@ -63,17 +66,22 @@ def _status_table(statuses: list[ProjectionStatus]) -> Table:
     classes when some projection met any (by topic: not projected, see
     projections/unknown_events.py)."""
     unknown = any(status.unknown_events for status in statuses)
+    errors = any(status.error for status in statuses)
     table = Table(title="Projections", box=box.SIMPLE)
     for column in ("projection", "position", "head", "lag (events)"):
         table.add_column(column, justify="left" if column == "projection" else "right")
     if unknown:
         table.add_column("unknown events (not projected)", style="red")
+    if errors:
+        table.add_column("error", style="red")
     for status in statuses:
         row = [status.name, f"{status.position:,}", f"{status.head:,}", f"{status.lag_events:,}"]
         if unknown:
             row.append(
                 ", ".join(f"{topic} {n:,}" for topic, n in status.unknown_events.items()) or "-"
             )
+        if errors:
+            row.append(status.error or "-")
         table.add_row(*row)
     return table
 
@@ -96,6 +104,61 @@ def projections_status(
         print_json([status.to_dict() for status in statuses])
     else:
         stdout().print(_status_table(statuses))
+
+
+@projections_cli.command(
+    "verify",
+    help=(
+        "Compare every read model, row by row, with a fold of the log (the Runner and "
+        "RunnerLease aggregates of every registered runner; every generation's assignment "
+        "of every sandbox), after catching them up; name each difference (read model, "
+        "runner or sandbox/generation, field, both values). Exits 0 when they are equal, 1 "
+        "when a difference is found (repair: projections rebuild).\n\n"
+        "[bold]Example[/bold]\n\n  secondbox-scheduler projections verify --json"
+    ),
+)
+def projections_verify(
+    database_url: DatabaseUrl = DEFAULT_SQLITE_URL, as_json: JsonOutput = False
+) -> None:
+    with reported_errors(), store_errors(database_url):
+        app, read_models = _read_models(database_url)
+        try:
+            report = verify_read_models(app, read_models)
+        finally:
+            app.close()
+    if as_json:
+        print_json(report.to_dict())
+    else:
+        _print_verify(report)
+    if not report.equal:
+        raise typer.Exit(1)
+
+
+def _print_verify(report: VerifyReport) -> None:
+    console = stdout()
+    compared = (
+        f"{report.runners:,} runners and {report.assignments:,} assignments "
+        f"(log head {report.head:,})"
+    )
+    if report.equal:
+        console.print(f"read models equal the fold of the log: {compared}")
+        return
+    table = Table(title="Read model differences", box=box.SIMPLE)
+    for column in ("read model", "row", "field", "read model value", "folded value"):
+        table.add_column(column, overflow="fold")
+    for difference in report.differences:
+        table.add_row(
+            difference.read_model,
+            escape(difference.key),
+            difference.field,
+            escape(repr(difference.read_model_value)),
+            escape(repr(difference.folded_value)),
+        )
+    console.print(table)
+    console.print(
+        f"{len(report.differences):,} differences over {compared}; "
+        "repair: secondbox-scheduler projections rebuild"
+    )
 
 
 @projections_cli.command(

@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
+from secondbox_scheduler.domain.errors import InvalidRequestError
 from secondbox_scheduler.infrastructure.cli.common import (
     DatabaseUrl,
     JsonOutput,
@@ -20,7 +21,12 @@ from secondbox_scheduler.infrastructure.cli.common import (
     reported_errors,
     store_errors,
 )
-from secondbox_scheduler.infrastructure.settings import DEFAULT_SQLITE_URL, redact_url
+from secondbox_scheduler.infrastructure.settings import (
+    DEFAULT_SQLITE_URL,
+    READY_MAX_LAG,
+    ready_max_lag,
+    redact_url,
+)
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -48,13 +54,15 @@ def serve(
         int, typer.Option("--port", min=0, max=65535, help="Port to listen on (0: a free one).")
     ] = 8080,
     max_read_model_lag: Annotated[
-        int,
+        int | None,
         typer.Option(
             "--max-read-model-lag",
             min=0,
-            help="Events a read model may lag behind the log before /readyz answers 503.",
+            show_default=False,
+            help="Events a read model may lag behind the log before /readyz answers 503 "
+            "[default: SECONDBOX_READY_MAX_LAG, else 1000].",
         ),
-    ] = 1000,
+    ] = None,
     max_body_bytes: Annotated[
         int,
         typer.Option(
@@ -94,6 +102,12 @@ def serve(
     disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series
     with reported_errors(), store_errors(database_url):
         scheduler = open_store(database_url, must_exist=False)
+        if max_read_model_lag is None:
+            try:
+                max_read_model_lag = ready_max_lag(scheduler.env.get(READY_MAX_LAG))
+            except InvalidRequestError:
+                scheduler.close()
+                raise
     try:
         registry = CollectorRegistry()  # the service's own; the process-wide one is untouched
         for collector in (ProcessCollector, PlatformCollector, GCCollector):

@@ -25,8 +25,13 @@ from secondbox_scheduler.infrastructure.http.request_metrics import (
     request_histogram,
 )
 from secondbox_scheduler.infrastructure.metrics import PrometheusMetrics
+from secondbox_scheduler.infrastructure.settings import (
+    DEFAULT_READY_MAX_LAG,
+    READY_MAX_LAG,
+    ready_max_lag,
+)
 
-DEFAULT_MAX_READ_MODEL_LAG = 1000  # events; /readyz answers 503 beyond
+DEFAULT_MAX_READ_MODEL_LAG = DEFAULT_READY_MAX_LAG  # events; /readyz answers 503 beyond
 API_VERSION = "1"
 
 DESCRIPTION = """\
@@ -50,12 +55,16 @@ def create_app(
     scheduler: SchedulerApplication,
     *,
     registry: CollectorRegistry | None = None,
-    max_read_model_lag: int = DEFAULT_MAX_READ_MODEL_LAG,
+    max_read_model_lag: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """The service over ``scheduler``. Its metrics go to ``registry``, or to the
     registry the scheduler already exports to, or to a new one; ``/metrics`` serves it.
-    A request body of more than ``max_body_bytes`` is refused, 413, before it is read."""
+    ``max_read_model_lag``: the events a read model may lag before ``/readyz`` answers
+    503; by default the scheduler's ``SECONDBOX_READY_MAX_LAG`` (1,000 when unset). A
+    request body of more than ``max_body_bytes`` is refused, 413, before it is read."""
+    if max_read_model_lag is None:
+        max_read_model_lag = ready_max_lag(scheduler.env.get(READY_MAX_LAG))
     sink = scheduler.metrics.sink
     if registry is None and isinstance(sink, PrometheusMetrics):
         exporter = sink

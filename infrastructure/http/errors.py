@@ -24,6 +24,8 @@ store (``connection-refused``, ``timeout``, ...); ``reasons`` for a refused plac
   retry when capacity, heartbeats or a drain change);
 - 503 with ``Retry-After``: ``serialization_contention`` (lost every race of its retry
   budget) and ``store_unavailable``; retrying the same request is safe;
+  ``read_model_unavailable``: a read model's tracking position lies beyond the log's
+  head (tampered with): an operator must rebuild it (``projections rebuild``);
 - 500 ``internal_error``: a fault of the scheduler (never expected; logged).
 
 :data:`ERROR_RESPONSES` declares these in the OpenAPI document.
@@ -64,6 +66,7 @@ from secondbox_scheduler.domain.errors import (
 )
 from secondbox_scheduler.infrastructure.metrics import refusal_reasons
 from secondbox_scheduler.infrastructure.store.startup import StoreUnavailableError
+from secondbox_scheduler.projections.read_models import ReadModelAheadError
 
 RETRY_AFTER_CONTENTION = 1  # seconds; a lost race clears within milliseconds
 RETRY_AFTER_STORE = 5  # seconds; a restarting database takes a few
@@ -90,6 +93,7 @@ STATUS_AND_CODE: dict[type[BaseException], tuple[int, str]] = {
     PlacementError: (409, "no_compatible_runner"),
     SerializationContentionError: (503, "serialization_contention"),
     StoreUnavailableError: (503, "store_unavailable"),
+    ReadModelAheadError: (503, "read_model_unavailable"),
     SchedulerError: (409, "refused"),
     # The store failed under a command (connection lost, pool exhausted, SQLite busy).
     OperationalError: (503, "store_unavailable"),

@@ -3,11 +3,13 @@
 - ``/healthz``: the process answers (liveness); it touches nothing else.
 - ``/readyz``: the store answers (one fresh connection with the connect timeout, no
   retries: :mod:`..store_probe`), and no read model lags the log by more than
-  the threshold (``serve --max-read-model-lag``). Where queries catch the read models
+  the threshold (``SECONDBOX_READY_MAX_LAG``, ``serve --max-read-model-lag``) or has a
+  tracking position beyond the log's head (:mod:`.readiness`). Where queries catch the read models
   up themselves (``SECONDBOX_READ_MODELS=on``, the default), the probe catches them up
   first, as the next query would, and then measures; with ``external`` it only
   measures, since queries then answer from the tables as they are. 200 when ready,
-  else 503 with ``Retry-After``; the body says which check failed either way. Each
+  else 503 with ``Retry-After``; the body says which check failed either way
+  (``reasons``). Each
   projection's ``unknown_events`` counts, by topic, the events of classes it does not
   know that this process met (not projected: ``projections/unknown_events.py``); they
   are shown, not a readiness failure (a newer release may write them during an upgrade).
@@ -29,6 +31,7 @@ from starlette.responses import Response
 from secondbox_scheduler.domain.errors import SchedulerError
 from secondbox_scheduler.infrastructure.http.common import Scheduler, respond
 from secondbox_scheduler.infrastructure.http.errors import RETRY_AFTER_STORE
+from secondbox_scheduler.infrastructure.http.readiness import read_model_readiness
 from secondbox_scheduler.infrastructure.store.startup import StoreUnavailableError
 
 router = APIRouter(tags=["operations"])
@@ -52,6 +55,9 @@ class ReadModelLag(BaseModel):
         description="Events of classes the projection does not know (by topic), met by "
         "this process: not projected, reported (not a readiness failure).",
     )
+    error: str | None = Field(
+        default=None, description="Why it cannot be trusted (position beyond the head)."
+    )
 
 
 class Readiness(BaseModel):
@@ -60,12 +66,14 @@ class Readiness(BaseModel):
     read_models: str = Field(description="inline, external or not kept.")
     max_lag_events: int = Field(description="The threshold: more lag is not ready.")
     projections: list[ReadModelLag] = Field(default_factory=list)
+    reasons: list[str] = Field(default_factory=list, description="Why not ready (empty: ready).")
 
 
 READY_RESPONSES: dict[int | str, dict[str, Any]] = {
     503: {
         "model": Readiness,
-        "description": "Not ready: the store did not answer or a read model lags.",
+        "description": "Not ready: the store did not answer, or a read model lags or is "
+        "ahead of the log (its position beyond the head).",
         "headers": {
             "Retry-After": {
                 "description": "Seconds to wait before probing again.",
@@ -91,18 +99,16 @@ def readyz(request: Request, app: Scheduler) -> Response:
     readiness = Readiness(ready=False, store="ok", read_models=mode, max_lag_events=threshold)
     try:
         app.probe_store()  # one connection, no retries: fast while the store is down
-        if app.read_models is not None:
-            if app.catch_up_inline:
-                app.current_read_models()
-            readiness.projections = [
-                ReadModelLag(**status.to_dict()) for status in app.read_models.status()
-            ]
+        statuses, readiness.reasons = read_model_readiness(app, threshold)
+        readiness.projections = [ReadModelLag(**status.to_dict()) for status in statuses]
     except StoreUnavailableError as error:
         readiness.store = f"unavailable: {error.reason}"
     except (SchedulerError, PersistenceError) as error:
         readiness.store = f"unavailable: {type(error).__name__}: {error}"
     else:
-        readiness.ready = all(p.lag_events <= threshold for p in readiness.projections)
+        readiness.ready = not readiness.reasons
+    if readiness.store != "ok":
+        readiness.reasons.append(f"store {readiness.store}")
     if readiness.ready:
         return respond(readiness)
     response = respond(readiness, 503)
