@@ -30,7 +30,7 @@ from secondbox_scheduler.domain.placement.evidence import Unlisted, summarize_re
 from secondbox_scheduler.domain.placement.rules import decide
 from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit.replay import explain
+from secondbox_scheduler.infrastructure.audit.queries import explain
 from tests.conftest import Clock
 from tests.factories import CAPABILITIES, HEARTBEAT_TIMEOUT, RUNTIME, TOOLCHAIN, capacity
 
