@@ -328,7 +328,7 @@ class Runner(Aggregate):
 
 class RunnerState(Protocol):
     """What a runner snapshot is built from: the Runner aggregate, or the audit fold's
-    plain copy of it (``domain.audit_fold.RunnerState``)."""
+    plain copy of it (``domain.audit.state.RunnerState``)."""
 
     runner_id: str
     pool_name: str

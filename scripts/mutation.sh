@@ -16,7 +16,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 WORK="${MUTATION_WORKDIR:-$(mktemp -d -t secondbox-mutation-XXXXXX)}"
 CHILDREN="${MUTATION_MAX_CHILDREN:-$(nproc)}"
-MODULES=(placement evidence runner sandbox lease audit_fold)
+MODULES=(placement/rules placement/evidence runner sandbox lease
+         audit/state audit/runner_checks audit/sandbox_checks audit/fold)
 # The tests that pin these modules down; fast, SQLite only (the domain is store-agnostic).
 # The last two read the release-0.1 history: the only callers of Sandbox.upcast_v1_v2
 # (audit verify refolds the 0.1 snapshots through it).
@@ -25,6 +26,7 @@ MODULES=(placement evidence runner sandbox lease audit_fold)
 # so the score is a lower bound of what the whole suite kills.
 TESTS=(
   tests/test_runner_guards.py tests/test_sandbox_guards.py tests/test_audit_fold.py
+  tests/test_completeness_audit.py
   tests/test_domain_records.py tests/test_evidence.py
   tests/test_placement.py tests/test_application_guards.py tests/test_audit.py
   tests/test_lifecycle.py tests/test_schedule.py tests/test_runners.py tests/test_reconcile.py

@@ -17,7 +17,8 @@ from uuid import UUID
 
 from eventsourcing.domain import Aggregate
 
-from secondbox_scheduler.domain.audit.fold import AuditFold, Violation
+from secondbox_scheduler.domain.audit.fold import AuditFold
+from secondbox_scheduler.domain.audit.state import Violation
 from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
 from secondbox_scheduler.domain.lease import RunnerLease
 from secondbox_scheduler.domain.placement.deciding import Placed, Refused, decide_placement

@@ -17,7 +17,7 @@ from psycopg.conninfo import make_conninfo
 from typer.testing import CliRunner
 
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit.replay import verify
+from secondbox_scheduler.infrastructure.audit.verify import verify
 from secondbox_scheduler.infrastructure.cli import cli
 from secondbox_scheduler.infrastructure.store.roles import grant
 from secondbox_scheduler.infrastructure.store.server_append import (

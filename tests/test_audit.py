@@ -16,7 +16,8 @@ from secondbox_scheduler.domain.ids import runner_uuid, sandbox_uuid
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit.replay import explain, state_at, timeline, verify
+from secondbox_scheduler.infrastructure.audit.queries import explain, state_at, timeline
+from secondbox_scheduler.infrastructure.audit.verify import verify
 from secondbox_scheduler.infrastructure.cli import cli
 from tests.conftest import Clock
 from tests.factories import (

@@ -31,7 +31,7 @@ from secondbox_scheduler.domain.refusals import RefusalLog
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.values import Requirements
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit.replay import verify
+from secondbox_scheduler.infrastructure.audit.verify import verify
 from secondbox_scheduler.infrastructure.placing import batcher as batcher_module
 from secondbox_scheduler.infrastructure.placing.batcher import PlacementBatcher
 from secondbox_scheduler.infrastructure.settings import AUDIT_KEY

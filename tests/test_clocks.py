@@ -20,7 +20,7 @@ from secondbox_scheduler.domain.audit.fold import AuditFold
 from secondbox_scheduler.domain.ids import lease_uuid
 from secondbox_scheduler.domain.lease import RunnerLease
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit.replay import verify
+from secondbox_scheduler.infrastructure.audit.verify import verify
 from tests.conftest import Clock, Store
 from tests.factories import create_sandbox, register, schedule_request
 

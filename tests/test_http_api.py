@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit.replay import verify
+from secondbox_scheduler.infrastructure.audit.verify import verify
 from secondbox_scheduler.infrastructure.http import create_app
 from secondbox_scheduler.infrastructure.http.server import listening_socket, serving_in_thread
 from tests.conftest import Clock, Store

@@ -37,7 +37,7 @@ from typer.testing import CliRunner
 
 from secondbox_scheduler.domain import Capacity
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit.replay import verify
+from secondbox_scheduler.infrastructure.audit.verify import verify
 from secondbox_scheduler.infrastructure.cli import cli
 from tests.http_helpers import (
     capacity_body,

@@ -27,7 +27,7 @@ from secondbox_scheduler.domain.audit.chain import Chain
 from secondbox_scheduler.domain.ids import runner_uuid
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit.replay import verify
+from secondbox_scheduler.infrastructure.audit.verify import verify
 from secondbox_scheduler.infrastructure.store.roles import grant
 from tests.conftest import Clock, PostgresSchema
 from tests.factories import capacity, create_sandbox, register, schedule_request

@@ -23,7 +23,7 @@ from secondbox_scheduler.domain.errors import (
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.values import Capacity
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit.replay import verify
+from secondbox_scheduler.infrastructure.audit.verify import verify
 from secondbox_scheduler.testing.builders import PHYSICAL_STORAGE_ADMISSION, T0
 from tests.conftest import Clock, Store
 from tests.factories import (

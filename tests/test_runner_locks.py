@@ -20,7 +20,7 @@ import pytest
 
 from secondbox_scheduler.domain import SchedulerError, SerializationContentionError
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit.replay import verify
+from secondbox_scheduler.infrastructure.audit.verify import verify
 from secondbox_scheduler.infrastructure.placing import runner_locks
 from secondbox_scheduler.infrastructure.placing.batch import PlacementBatch
 from secondbox_scheduler.infrastructure.placing.runner_locks import lock_key

@@ -35,7 +35,7 @@ from secondbox_scheduler.domain.placement.evidence import (
 from secondbox_scheduler.domain.placement.rules import decide
 from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit.replay import explain
+from secondbox_scheduler.infrastructure.audit.queries import explain
 from tests.conftest import Clock
 from tests.factories import CAPABILITIES, HEARTBEAT_TIMEOUT, RUNTIME, TOOLCHAIN, capacity
 

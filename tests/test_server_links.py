@@ -13,7 +13,7 @@ from eventsourcing.persistence import IntegrityError, ProgrammingError, StoredEv
 from secondbox_scheduler.domain.audit.chain import Chain, ChainedEvent
 from secondbox_scheduler.domain.ids import runner_uuid
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit.replay import verify
+from secondbox_scheduler.infrastructure.audit.verify import verify
 from secondbox_scheduler.infrastructure.store.chain_reads import chain_head, select_links
 from secondbox_scheduler.infrastructure.store.chain_tables import seal_table
 from secondbox_scheduler.infrastructure.store.chained_postgres import ChainedPostgresRecorder

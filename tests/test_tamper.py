@@ -28,7 +28,7 @@ from secondbox_scheduler.domain.audit.chain import Checkpoint
 from secondbox_scheduler.domain.errors import CapacityExceededError
 from secondbox_scheduler.domain.ids import runner_uuid
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit.replay import checkpoint, verify
+from secondbox_scheduler.infrastructure.audit.verify import checkpoint, verify
 from secondbox_scheduler.infrastructure.cli import cli
 from secondbox_scheduler.infrastructure.tools.simulation.config import SimulationConfig
 from secondbox_scheduler.infrastructure.tools.simulation.run import run_simulation

@@ -13,7 +13,7 @@ import pytest
 
 from secondbox_scheduler.domain import Capacity
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit.replay import fold
+from secondbox_scheduler.infrastructure.audit.log_fold import fold
 from secondbox_scheduler.infrastructure.tools.fault_injection import (
     FaultRunConfig,
     run_fault_injection,

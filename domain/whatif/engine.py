@@ -94,7 +94,7 @@ class WhatIf:
 
     def __init__(self, changes: WhatIfChanges | None = None) -> None:
         self.changes = changes or WhatIfChanges()
-        # the seed's ranking is the pool views' own key (None): SPEC section 3's rank key
+        # the seed ranking is the pool views' own key (None): docs/spec.md (section 3)
         self.policy = None if self.changes.policy is SEED else self.changes.policy
         self.timeout = self.changes.heartbeat_timeout
         self.recorded = Fleet()  # reservations as the log has them

@@ -15,7 +15,7 @@ from typing import Any
 
 from eventsourcing.postgres import PostgresApplicationRecorder
 
-from secondbox_scheduler.domain.audit.fold import Violation
+from secondbox_scheduler.domain.audit.state import Violation
 
 RULE = "stream-not-in-log"
 NAMED = 20  # events named one by one; the others counted

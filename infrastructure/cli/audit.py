@@ -31,7 +31,7 @@ from secondbox_scheduler.infrastructure.cli.whatif import WHATIF_HELP, audit_wha
 from secondbox_scheduler.infrastructure.settings import DEFAULT_SQLITE_URL
 
 if TYPE_CHECKING:
-    from secondbox_scheduler.infrastructure.audit.replay import ChainReport
+    from secondbox_scheduler.infrastructure.audit.verify import ChainReport
 
 audit_cli = typer.Typer(
     help=(
@@ -76,11 +76,8 @@ def audit_verify(
     ] = None,
     as_json: JsonOutput = False,
 ) -> None:
-    from secondbox_scheduler.infrastructure.audit.replay import (
-        parse_checkpoint,
-        parse_until,
-        verify,
-    )
+    from secondbox_scheduler.infrastructure.audit.log_fold import parse_until
+    from secondbox_scheduler.infrastructure.audit.verify import parse_checkpoint, verify
 
     with reported_errors(), store_errors(database_url):
         app = open_store(database_url, read_models=False)
@@ -148,7 +145,7 @@ def audit_checkpoint(
     database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
     as_json: JsonOutput = False,
 ) -> None:
-    from secondbox_scheduler.infrastructure.audit.replay import checkpoint
+    from secondbox_scheduler.infrastructure.audit.verify import checkpoint
 
     with reported_errors(), store_errors(database_url):
         app = open_store(database_url, read_models=False)
@@ -181,7 +178,8 @@ def audit_state(
     database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
     as_json: JsonOutput = False,
 ) -> None:
-    from secondbox_scheduler.infrastructure.audit.replay import parse_until, state_at
+    from secondbox_scheduler.infrastructure.audit.log_fold import parse_until
+    from secondbox_scheduler.infrastructure.audit.queries import state_at
 
     with reported_errors(), store_errors(database_url):
         app = open_store(database_url, read_models=False)
@@ -215,7 +213,7 @@ def audit_timeline(
     database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
     as_json: JsonOutput = False,
 ) -> None:
-    from secondbox_scheduler.infrastructure.audit.replay import timeline
+    from secondbox_scheduler.infrastructure.audit.queries import timeline
 
     if (sandbox is None) == (runner is None):
         raise typer.BadParameter("give exactly one of --sandbox ID or --runner ID")
@@ -268,7 +266,7 @@ def audit_explain(
         typer.Argument(hidden=True, metavar="SANDBOX", help="Older spelling of --sandbox."),
     ] = None,
 ) -> None:
-    from secondbox_scheduler.infrastructure.audit.replay import explain
+    from secondbox_scheduler.infrastructure.audit.queries import explain
 
     sandbox_id = _one_sandbox(sandbox, positional)
     with reported_errors(), store_errors(database_url):

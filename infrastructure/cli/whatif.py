@@ -110,7 +110,7 @@ def audit_whatif(
     ] = None,
     as_json: JsonOutput = False,
 ) -> None:
-    from secondbox_scheduler.infrastructure.audit.replay import parse_until
+    from secondbox_scheduler.infrastructure.audit.log_fold import parse_until
     from secondbox_scheduler.infrastructure.audit.whatif_replay import (
         changes_from,
         load_changes,

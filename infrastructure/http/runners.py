@@ -12,7 +12,7 @@ from starlette.responses import Response
 
 from secondbox_scheduler.domain.errors import AlreadyExistsError, RunnerNotFoundError
 from secondbox_scheduler.domain.values import Capacity, RunnerSnapshot
-from secondbox_scheduler.infrastructure.audit.replay import timeline
+from secondbox_scheduler.infrastructure.audit.queries import timeline
 from secondbox_scheduler.infrastructure.http.common import PoolQuery, RunnerId, Scheduler, respond
 from secondbox_scheduler.infrastructure.http.errors import ERROR_RESPONSES
 from secondbox_scheduler.infrastructure.http.models import (

@@ -18,7 +18,7 @@ from starlette.responses import Response
 from secondbox_scheduler.domain.errors import AssignmentNotFoundError, SandboxNotFoundError
 from secondbox_scheduler.domain.reconcile import ReconcileDecision
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit.replay import explain, timeline
+from secondbox_scheduler.infrastructure.audit.queries import explain, timeline
 from secondbox_scheduler.infrastructure.http.common import (
     GenerationPath,
     GenerationQuery,

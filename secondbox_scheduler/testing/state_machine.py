@@ -56,7 +56,7 @@ from secondbox_scheduler.domain.errors import (
 )
 from secondbox_scheduler.domain.values import ScheduleRequest
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit.replay import verify
+from secondbox_scheduler.infrastructure.audit.verify import verify
 from secondbox_scheduler.testing.builders import (
     CAPABILITIES,
     RUNTIME,

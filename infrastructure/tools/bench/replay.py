@@ -12,7 +12,7 @@ from secondbox_scheduler.infrastructure.tools.bench.settings import Progress
 
 
 def measure_replay(app: SchedulerApplication, progress: Progress) -> dict[str, Any]:
-    from secondbox_scheduler.infrastructure.audit.replay import verify
+    from secondbox_scheduler.infrastructure.audit.verify import verify
     from secondbox_scheduler.infrastructure.audit.whatif_replay import whatif
     from secondbox_scheduler.projections.read_models import rebuild
 

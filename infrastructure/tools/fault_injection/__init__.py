@@ -1,7 +1,8 @@
 """The fault-injection run, ``secondbox-scheduler verify``: scheduler replicas as processes
 against one PostgreSQL, some killed mid-way, then every promise checked from the events.
 
-Not to be confused with ``audit verify`` (:mod:`..audit_replay`), the replay of a log.
+Not to be confused with ``audit verify``
+(:mod:`secondbox_scheduler.infrastructure.audit.verify`), the replay of a log.
 
 - :mod:`.config`: what a run is asked to do and what it found;
 - :mod:`.database`: the run's own database;

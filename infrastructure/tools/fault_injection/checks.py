@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit.replay import fold as audit_fold
-from secondbox_scheduler.infrastructure.audit.replay import verify as audit_verify
+from secondbox_scheduler.infrastructure.audit.log_fold import fold as audit_fold
+from secondbox_scheduler.infrastructure.audit.verify import verify as audit_verify
 from secondbox_scheduler.infrastructure.tools.fault_injection.config import FaultRunReport
 from secondbox_scheduler.infrastructure.tools.fault_injection.probes import audit_probes
 from secondbox_scheduler.projections.read_models import rebuild

@@ -1,0 +1,299 @@
+"""The sandbox side of the audit fold: sandboxes, their refusals and fencing tokens.
+
+:class:`SandboxChecks` folds every event of a ``Sandbox``, a ``RefusalLog`` and a
+``FencingTokenUse`` into plain state (:mod:`~secondbox_scheduler.domain.audit.state`)
+and checks, after each, what it could break: one assignment per (sandbox, generation)
+and a fencing token never reused (invariant 3); each assignment on the sandbox's home
+runner, compatible by every rule on the evidence recorded with the decision, and that
+evidence equal to the runner and lease as the log had them (invariant 4); a release
+once, with proof, before the generation advances (invariant 6); a placement decided
+within the clock tolerance (``clock``).
+:class:`~secondbox_scheduler.domain.audit.fold.AuditFold` routes the events here.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from secondbox_scheduler.domain.assignment import STATE_RELEASED, STATE_RUNNING, STATE_UNCERTAIN
+from secondbox_scheduler.domain.audit.state import FoldState, Pending, SandboxState
+from secondbox_scheduler.domain.fencing_tokens import token_sha256
+from secondbox_scheduler.domain.placement.evidence import rank_key_from_record
+from secondbox_scheduler.domain.placement.rules import evaluate_runner
+from secondbox_scheduler.domain.values import Requirements, RunnerSnapshot
+
+
+class SandboxChecks(FoldState):
+    """The handlers of sandbox, refusal and token events (named in
+    ``AuditFold.HANDLERS``)."""
+
+    # -- sandboxes ------------------------------------------------------------
+
+    def _sandbox_created(self, event: Any) -> None:
+        sandbox = SandboxState(
+            sandbox_id=event.sandbox_id,
+            workspace_id=event.workspace_id,
+            profile_revision_id=event.profile_revision_id,
+            requirements=dict(event.requirements),
+            home_runner_id=event.home_runner_id,
+        )
+        self._enter(event.originator_id).sandbox = sandbox
+        self.sandbox_streams[event.sandbox_id] = event.originator_id
+        self._check_home_decision(event.home_runner_id, event.home_decision)
+
+    def _check_home_decision(self, home: str, decision: dict[str, Any]) -> None:
+        """The home decision's own evidence is consistent: the chosen runner is the
+        home runner, listed as compatible, and ranks first among the compatible runners
+        listed (unlisted runners are only counted: docs/events.md 7.3)."""
+        if decision.get("chosen_runner_id") != home:
+            self._violate(
+                "invariant-4", f"home decision chose {decision.get('chosen_runner_id')!r}"
+            )
+        ranks = {
+            c["runner_id"]: c.get("rank")
+            for c in decision.get("candidates", ())
+            if not c["failures"]
+        }
+        if home not in ranks:
+            self._violate("invariant-4", f"home runner {home!r} is not listed as compatible")
+            return
+
+        best = min(ranks, key=lambda runner_id: rank_key_from_record(runner_id, ranks[runner_id]))
+        if ranks[home] is not None and best != home:
+            self._violate("invariant-4", f"listed runner {best!r} ranks above home {home!r}")
+
+    def _sandbox(self, event: Any) -> SandboxState | None:
+        sandbox = self._stream.sandbox if self._stream else None
+        if sandbox is None:
+            self._violate("history", "event of a sandbox that was never created")
+        return sandbox
+
+    def _fenced(self, event: Any) -> None:
+        sandbox = self._sandbox(event)
+        if sandbox is None:
+            return
+        record = dict(event.assignment)
+        generation = record["generation"]
+        if generation in sandbox.assignments:
+            self._violate("invariant-3", f"second assignment for generation {generation}")
+        if generation != sandbox.generation:
+            self._violate(
+                "invariant-3",
+                f"assignment for generation {generation} while current is {sandbox.generation}",
+            )
+        if record["fencing_token"] in sandbox.tokens:
+            self._violate("invariant-3", f"fencing token reused in generation {generation}")
+        self._check_placement(sandbox, record, dict(event.placement))
+        sandbox.assignments[generation] = record
+        sandbox.tokens.add(record["fencing_token"])
+        sandbox.fenced_at[generation] = self.position
+        self._owe(record["runner_id"], record["capacity"], +1)
+        indexed = getattr(event, "token_indexed", False)
+        self.pending = Pending(
+            "reserve", self.position, sandbox.sandbox_id, generation, record["runner_id"],
+            dict(record["capacity"]),
+            token_sha256(record["fencing_token"]) if indexed else None,
+        )  # fmt: skip
+
+    def _token_used(self, event: Any) -> None:
+        """A fencing token's index stream: saved with the fence that used the token."""
+        pending, self.pending = self.pending, None
+        if (
+            pending is None
+            or pending.kind != "token"
+            or (pending.sandbox_id, pending.generation, pending.token_sha256)
+            != (event.sandbox_id, event.generation, event.token_sha256)
+        ):
+            self._violate(
+                "invariant-3",
+                f"token index of {event.sandbox_id}#{event.generation} matches no fence "
+                "in the same transaction",
+            )
+
+    def _check_placement(
+        self, sandbox: SandboxState, record: dict[str, Any], placement: dict[str, Any]
+    ) -> None:
+        runner_id = record["runner_id"]
+        if runner_id != sandbox.home_runner_id:
+            self._violate(
+                "invariant-4",
+                f"assignment on {runner_id!r} but the home runner is {sandbox.home_runner_id!r}",
+            )
+        requirements = sandbox.pinned
+        if requirements is None:
+            requirements = sandbox.pinned = Requirements.from_record(sandbox.requirements)
+        evidence = RunnerSnapshot.from_record(placement["runner"])
+        decided_at = placement["decided_at"]
+        clock = placement.get("clock")  # recorded since release 0.2
+        if clock is not None and abs(decided_at - clock) > self.MAX_CLOCK_SKEW:
+            self._violate(
+                "clock",
+                f"decided at {decided_at.isoformat()} by the request, the clock said "
+                f"{clock.isoformat()}",
+            )
+        timeout = timedelta(seconds=placement["heartbeat_timeout_seconds"])
+        evaluation = evaluate_runner(
+            requirements, evidence, decided_at, timeout,
+            rules_version=placement.get("rules_version", 1),
+        )  # fmt: skip
+        if not evaluation.compatible:
+            reasons = ", ".join(f.detail for f in evaluation.failures)
+            self._violate("invariant-4", f"runner {runner_id!r} was not compatible: {reasons}")
+        if record["capacity"] != requirements.capacity.as_dict():
+            self._violate("invariant-4", "reserved capacity differs from the pinned requirements")
+        runner = self._of(self.runner_streams.get(runner_id)).runner
+        if runner is None:
+            self._violate("invariant-4", f"runner {runner_id!r} is not registered")
+            return
+        actual = {
+            "allocatable": runner.allocatable,
+            "reserved": runner.reserved,
+            "drain_phase": runner.drain_phase,
+            "capabilities": sorted(runner.capabilities),
+            "pool_name": runner.pool_name,
+            "architecture": runner.architecture,
+            "backend_kind": runner.backend_kind,
+        }
+        recorded = {
+            "allocatable": evidence.allocatable.as_dict(),
+            "reserved": evidence.reserved.as_dict(),
+            "drain_phase": evidence.drain_phase,
+            "capabilities": sorted(evidence.capabilities),
+            "pool_name": evidence.pool_name,
+            "architecture": evidence.architecture,
+            "backend_kind": evidence.backend_kind,
+        }
+        for key, value in recorded.items():
+            if actual[key] != value:
+                self._violate(
+                    "invariant-4",
+                    f"evidence {key} {value!r} differs from the runner's {actual[key]!r}",
+                )
+        if runner.deregistered:
+            self._violate("invariant-4", f"runner {runner_id!r} was deregistered")
+        if placement.get("runner_version") != runner.version:
+            self._violate(
+                "invariant-4",
+                f"evidence of runner version {placement.get('runner_version')} but the runner "
+                f"was at {runner.version}",
+            )
+        lease = self._of(self.lease_of.get(runner_id)).lease
+        if lease is None:
+            self._violate("invariant-4", f"runner {runner_id!r} has no lease")
+            return
+        version = placement.get("lease_version", 0)
+        if version > lease.version:
+            self._violate("invariant-4", f"evidence of lease version {version} not yet recorded")
+            return
+        heartbeat, digests, _ = lease.at_version(version)
+        if (
+            heartbeat != evidence.last_heartbeat_at
+            or tuple(digests) != evidence.artifact_digests
+            or lease.materializations_at(version) != evidence.materializations
+        ):
+            self._violate(
+                "invariant-4",
+                f"heartbeat evidence differs from the lease at version {version}",
+            )
+
+    def _released(self, event: Any) -> None:
+        sandbox = self._sandbox(event)
+        if sandbox is None:
+            return
+        record = sandbox.assignments.get(event.generation)
+        if record is None:
+            self._violate("invariant-6", f"release of generation {event.generation} never fenced")
+            return
+        if record["state"] == STATE_RELEASED:
+            self._violate("invariant-6", f"generation {event.generation} released twice")
+        if not event.release_proof:
+            self._violate("invariant-6", "released without proof")
+        if record["state"] != STATE_RELEASED:
+            self._owe(record["runner_id"], record["capacity"], -1)
+        self._touch(record, event, state=STATE_RELEASED, release_proof=dict(event.release_proof))
+        self.pending = Pending(
+            "release", self.position, sandbox.sandbox_id, event.generation, record["runner_id"],
+            dict(record["capacity"]),
+        )  # fmt: skip
+
+    def _advanced(self, event: Any) -> None:
+        sandbox = self._sandbox(event)
+        if sandbox is None:
+            return
+        current = sandbox.assignments.get(sandbox.generation)
+        if current is None or current["state"] != STATE_RELEASED:
+            self._violate("invariant-6", "generation advanced before its assignment was released")
+        sandbox.generation = event.generation
+
+    # -- updates of an assignment (one handler per event class) ---------------
+
+    def _assignment(self, event: Any) -> dict[str, Any] | None:
+        """The assignment record an update names by its generation; None, reported,
+        when the sandbox was never created or the generation never fenced."""
+        sandbox = self._sandbox(event)
+        generation = getattr(event, "generation", None)
+        if sandbox is None or generation is None:
+            return None
+        record = sandbox.assignments.get(generation)
+        if record is None:
+            self._violate("history", f"{type(event).__name__} of unfenced generation {generation}")
+        return record
+
+    def _running(self, event: Any) -> None:
+        record = self._assignment(event)
+        if record is not None:
+            self._touch(record, event, state=STATE_RUNNING)
+
+    def _failed(self, event: Any) -> None:
+        record = self._assignment(event)
+        if record is not None:
+            self._touch(
+                record,
+                event,
+                state=event.state,
+                failure_class=event.failure_class,
+                retry_count=event.retry_count,
+            )
+
+    def _uncertain(self, event: Any) -> None:
+        record = self._assignment(event)
+        if record is not None:
+            self._touch(record, event, state=STATE_UNCERTAIN)
+
+    def _reconcile_claimed(self, event: Any) -> None:
+        record = self._assignment(event)
+        if record is not None:
+            self._touch(
+                record,
+                event,
+                reconcile_owner=event.owner,
+                reconcile_claim_expires_at=event.until,
+            )
+
+    def _reconcile_claim_released(self, event: Any) -> None:
+        record = self._assignment(event)
+        if record is not None:
+            self._touch(record, event, reconcile_owner="", reconcile_claim_expires_at=None)
+
+    def _reconcile_scheduled(self, event: Any) -> None:
+        record = self._assignment(event)
+        if record is not None:
+            self._touch(
+                record,
+                event,
+                next_reconcile_at=event.next_reconcile_at,
+                operation_deadline=event.operation_deadline,
+            )
+
+    def _touch(self, record: dict[str, Any], event: Any, **changes: Any) -> None:
+        record.update(changes)
+        record["revision"] += 1
+        record["updated_at"] = event.timestamp
+
+    def _refused(self, event: Any) -> None:
+        self.refusals.setdefault(str(event.originator_id), []).append(
+            {"position": self.position, **{k: getattr(event, k) for k in (
+                "operation", "generation", "error", "summary", "decided_at",
+                "heartbeat_timeout_seconds", "candidates")}}
+        )  # fmt: skip

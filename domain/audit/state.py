@@ -1,0 +1,201 @@
+"""The audit fold's plain state, and the violations it reports.
+
+What the fold (:mod:`secondbox_scheduler.domain.audit.fold`) keeps of each aggregate
+(:class:`RunnerState`, :class:`LeaseState`, :class:`SandboxState`, one :class:`Stream`
+per originator id), the first part of a transaction waiting for the next
+(:class:`Pending`), and :class:`FoldState`: all of it together, with the means every
+check shares (the current event's stream, a violation reported there, the capacity each
+runner is owed). Dictionaries and dataclasses written event by event: no aggregate, no
+cache, no projection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+from secondbox_scheduler.domain.limits import MAX_CLOCK_TOLERANCE
+from secondbox_scheduler.domain.values import (
+    DRAIN_PHASE_ACTIVE,
+    Capacity,
+    MaterializationSnapshot,
+    Requirements,
+)
+
+DIMENSIONS = Capacity.DIMENSIONS
+
+
+@dataclass(frozen=True)
+class Violation:
+    position: int
+    aggregate: str
+    event: str
+    rule: str
+    detail: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "position": self.position,
+            "aggregate": self.aggregate,
+            "event": self.event,
+            "rule": self.rule,
+            "detail": self.detail,
+        }
+
+    def __str__(self) -> str:
+        return f"#{self.position} {self.aggregate} {self.event}: {self.rule}: {self.detail}"
+
+
+@dataclass
+class RunnerState:
+    runner_id: str
+    pool_name: str
+    backend_kind: str
+    architecture: str
+    capabilities: list[str]
+    allocatable: dict[str, int]
+    supported_egress_contexts: list[str]
+    guest_protocol_minimum: int
+    guest_protocol_maximum: int
+    reserved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIMENSIONS, 0))
+    reservations: dict[str, dict[str, int]] = field(default_factory=dict)
+    drain_phase: str = DRAIN_PHASE_ACTIVE
+    deregistered: bool = False
+    version: int = 1
+    checked: tuple[str, ...] = ()  # checked_dimensions(capabilities), set at registration
+
+
+@dataclass
+class LeaseState:
+    runner_id: str
+    last_heartbeat_at: datetime | None = None
+    artifact_digests: list[str] = field(default_factory=list)
+    materializations: list[dict[str, str]] = field(default_factory=list)
+    version: int = 1
+    history: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+    snapshots: dict[int, tuple[MaterializationSnapshot, ...]] = field(default_factory=dict)
+
+    def at_version(self, version: int) -> tuple[Any, ...]:
+        return self.history.get(version, (None, [], []))
+
+    def materializations_at(self, version: int) -> tuple[MaterializationSnapshot, ...]:
+        """The lease's materializations at ``version`` as value objects (cached: the
+        fold replaces a lease's lists on each event and never changes them in place)."""
+        items = self.snapshots.get(version)
+        if items is None:
+            _, _, materializations = self.at_version(version)
+            items = tuple(MaterializationSnapshot.from_record(m) for m in materializations)
+            self.snapshots[version] = items
+        return items
+
+
+@dataclass
+class SandboxState:
+    sandbox_id: str
+    workspace_id: str
+    profile_revision_id: str
+    requirements: dict[str, Any]
+    home_runner_id: str
+    generation: int = 1
+    assignments: dict[int, dict[str, Any]] = field(default_factory=dict)
+    tokens: set[str] = field(default_factory=set)
+    fenced_at: dict[int, int] = field(default_factory=dict)
+    pinned: Requirements | None = None  # Requirements.from_record(requirements), cached
+
+
+class Stream:
+    """What the fold holds for one originator id (looked up once per event)."""
+
+    __slots__ = ("lease", "runner", "sandbox")
+
+    def __init__(self) -> None:
+        self.runner: RunnerState | None = None
+        self.lease: LeaseState | None = None
+        self.sandbox: SandboxState | None = None
+
+
+NO_STREAM = Stream()  # never written: what FoldState._of returns for an unknown stream
+ZERO: dict[str, int] = dict.fromkeys(DIMENSIONS, 0)  # never mutated
+
+
+@dataclass
+class Pending:
+    """The first part of a transaction of several aggregates, waiting for the next part:
+    a fence's reservation ("reserve"), then its token index ("token"); a release's
+    capacity release ("release")."""
+
+    kind: str  # "reserve", "token" or "release"
+    position: int
+    sandbox_id: str
+    generation: int
+    runner_id: str
+    capacity: dict[str, int]
+    token_sha256: str | None = None  # of a fence that saved a token index
+
+
+WANTED = {"reserve": "CapacityReserved", "release": "CapacityReleased", "token": "Used"}
+
+
+class FoldState:
+    """Everything the audit fold holds, and the means its checks share: the base of the
+    runner side (:mod:`~secondbox_scheduler.domain.audit.runner_checks`) and the sandbox
+    side (:mod:`~secondbox_scheduler.domain.audit.sandbox_checks`) of the fold."""
+
+    # A recorded caller time (a heartbeat's ``at``, a placement's ``decided_at``) may
+    # differ from the scheduler's clock by at most the largest tolerance it accepts.
+    MAX_CLOCK_SKEW = MAX_CLOCK_TOLERANCE
+
+    def __init__(self) -> None:
+        self.runner_streams: dict[str, UUID] = {}
+        self.lease_of: dict[str, UUID] = {}
+        self.sandbox_streams: dict[str, UUID] = {}
+        self.refusals: dict[str, list[dict[str, Any]]] = {}
+        self.owed: dict[str, dict[str, int]] = {}  # unreleased assignments' capacity by runner
+        self.violations: list[Violation] = []
+        self._current: Any = None
+        self._streams: dict[UUID, Stream] = {}  # every aggregate's state, by stream id
+        self._stream: Stream | None = None  # the current event's
+        self._names: dict[type[Any], tuple[str, str]] = {}
+        self.pending: Pending | None = None
+        self.position = 0
+        self.events = 0
+
+    def _violate(self, rule: str, detail: str) -> None:
+        event = self._current
+        names = self._names.get(type(event))
+        if names is None:
+            name = type(event).__qualname__
+            names = self._names[type(event)] = (name, name.split(".")[0])
+        stream = self._stream
+        runner = stream.runner if stream else None
+        lease = stream.lease if stream else None
+        sandbox = stream.sandbox if stream else None
+        label = (
+            runner.runner_id if runner else lease.runner_id if lease
+            else sandbox.sandbox_id if sandbox else str(event.originator_id)
+        )  # fmt: skip
+        self.violations.append(
+            Violation(self.position, f"{names[1]} {label}", names[0], rule, detail)
+        )
+
+    def _of(self, stream_id: UUID | None) -> Stream:
+        """The state of a stream named by an index (empty when there is none)."""
+        stream = self._streams.get(stream_id) if stream_id is not None else None
+        return stream if stream is not None else NO_STREAM
+
+    def _enter(self, stream_id: UUID) -> Stream:
+        """The current event's stream entry, created for an aggregate's first event."""
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            stream = self._streams[stream_id] = Stream()
+        self._stream = stream
+        return stream
+
+    def _owe(self, runner_id: str, capacity: dict[str, int], sign: int) -> None:
+        owed = self.owed.get(runner_id)
+        if owed is None:
+            owed = self.owed[runner_id] = dict(ZERO)
+        for dim in DIMENSIONS:
+            owed[dim] += sign * capacity[dim]

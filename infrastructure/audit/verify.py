@@ -1,0 +1,253 @@
+"""Audit verification as a Python API: ``audit verify`` and ``audit checkpoint``.
+
+:func:`verify` reads the notification log in order and folds it with
+:class:`secondbox_scheduler.domain.audit.fold.AuditFold` (no aggregate cache, no
+projection), checks every event against its link of the hash chain
+(:mod:`secondbox_scheduler.domain.audit.chain`), every stored snapshot against its seal
+and the events (:mod:`.snapshot_check`), and the log against a checkpoint. The CLI's
+``audit verify`` prints the :class:`AuditReport` it returns. The read commands (``audit
+state``, ``timeline``, ``explain``) are in :mod:`.queries`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from secondbox_scheduler.domain.audit.chain import (
+    ChainedEvent,
+    ChainVerifier,
+    Checkpoint,
+    Finding,
+)
+from secondbox_scheduler.domain.audit.fold import AuditFold
+from secondbox_scheduler.domain.audit.state import Violation
+from secondbox_scheduler.domain.errors import InvalidRequestError
+from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.audit.log_fold import (
+    PAGE,
+    READ_PAGE,
+    Until,
+    printable_text,
+)
+from secondbox_scheduler.infrastructure.audit.snapshot_check import SnapshotCheck
+from secondbox_scheduler.infrastructure.audit.streams import outside_log
+from secondbox_scheduler.infrastructure.store.chain_reads import chain_head, select_links
+from secondbox_scheduler.infrastructure.store.chain_tables import ChainedRecorder
+from secondbox_scheduler.projections.event_decoder import EventDecoder
+from secondbox_scheduler.projections.notification_reader import gc_paused, read_pages
+from secondbox_scheduler.projections.read_models import RebuildReport, read_raw
+
+
+@dataclass
+class ChainReport:
+    """What the chain check found: how much of the log is chained, and how."""
+
+    chained: bool = False  # the store keeps a chain
+    keyed: bool = False  # digests are HMACs with SECONDBOX_AUDIT_KEY
+    unchained_until: int = 0  # the last position of the prefix from before the chain
+    links_checked: int = 0
+    snapshots_checked: int = 0
+    head: str | None = None  # POSITION:DIGEST of the last link checked
+    checkpoint: str | None = None  # the checkpoint the log was checked against
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "chained": self.chained,
+            "keyed": self.keyed,
+            "unchained_until": self.unchained_until,
+            "links_checked": self.links_checked,
+            "snapshots_checked": self.snapshots_checked,
+            "head": self.head,
+            "checkpoint": self.checkpoint,
+        }
+
+
+@dataclass
+class AuditReport(RebuildReport):
+    """An audit replay: its rates (as a rebuild's), how far it went, what it found."""
+
+    position: int = 0
+    violations: list[Violation] = field(default_factory=list)
+    chain: ChainReport = field(default_factory=ChainReport)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    @property
+    def first_bad_position(self) -> int | None:
+        """The first position named by a violation (0: a snapshot whose event is gone,
+        position unknown, counts only when nothing else is named)."""
+        named = [v.position for v in self.violations if v.position > 0]
+        return min(named) if named else (0 if self.violations else None)
+
+    def to_dict(self) -> dict[str, Any]:
+        rates = super().to_dict()
+        rates["events_checked"] = rates.pop("events")
+        return {
+            "ok": self.ok,
+            **rates,
+            "position": self.position,
+            "first_bad_position": self.first_bad_position,
+            "chain": self.chain.to_dict(),
+            "violations": [violation.to_dict() for violation in self.violations],
+        }
+
+
+def checkpoint(app: SchedulerApplication) -> Checkpoint | None:
+    """The head of the chain (position and digest): keep it elsewhere, and later check
+    that the log still extends it (``verify(..., checkpoint=...)``). None: no link yet."""
+    head = chain_head(app.recorder)
+    return None if head is None else Checkpoint(head.position, head.digest)
+
+
+def parse_checkpoint(text: str) -> Checkpoint | bytes:
+    """``--checkpoint``: POSITION:DIGEST (as ``audit checkpoint`` prints it) or DIGEST."""
+    try:
+        return Checkpoint.parse(text)
+    except ValueError as error:
+        raise InvalidRequestError("checkpoint", str(error), printable_text(text)) from None
+
+
+def _chain_violation(finding: Finding, event: Any = None) -> Violation:
+    # a finding at a position with no event there (deleted, cut) names the log itself
+    stream = "log" if event is None else str(event.originator_id)
+    name = "(no event)" if event is None else str(event.topic).rpartition(":")[2]
+    return Violation(finding.position, stream, name, f"chain-{finding.kind}", finding.detail)
+
+
+def verify(
+    app: SchedulerApplication,
+    until: Until = None,
+    progress: Callable[[int], None] = lambda _: None,
+    measure_raw: bool = True,
+    checkpoint: Checkpoint | bytes | None = None,
+) -> AuditReport:
+    """Replay the log through the audit fold; every violation with its position and rule.
+    On a chained store, every event is also checked against its link of the chain, every
+    stored snapshot against its seal and the events, and the log against ``checkpoint``."""
+    raw_seconds = 0.0
+    if measure_raw:
+        started = time.perf_counter()
+        read_raw(app, until=until if isinstance(until, int) else None)
+        raw_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    audit, chain = _checked_fold(app, until, progress, checkpoint)
+    seconds = time.perf_counter() - started
+    violations = sorted(audit.violations, key=lambda v: v.position)
+    return AuditReport(audit.events, seconds, raw_seconds, audit.position, violations, chain)
+
+
+def _checked_fold(
+    app: SchedulerApplication,
+    until: Until,
+    progress: Callable[[int], None],
+    checkpoint: Checkpoint | bytes | None,
+) -> tuple[AuditFold, ChainReport]:
+    """The audit fold over the log, with the chain checked position by position."""
+    recorder = app.recorder
+    chained = isinstance(recorder, ChainedRecorder)
+    verifier = ChainVerifier(app.chain)
+    if checkpoint is not None:
+        verifier.expect(checkpoint)
+    snapshots = SnapshotCheck(app)
+    audit = AuditFold()
+    decode = EventDecoder(app.mapper)
+    stop = until if isinstance(until, int) else None
+    after_time = until if isinstance(until, datetime) else None
+    violations: list[Violation] = []
+    read = 0
+    last = 0
+    finished = False
+    with gc_paused():
+        pages = read_pages(
+            recorder, until=stop, page_size=READ_PAGE, first_page_size=PAGE, read_ahead=True
+        )
+        for page in pages:
+            links = select_links(recorder, last, page[-1].id) if chained else []
+            index = 0
+            for notification in page:
+                position = notification.id
+                while index < len(links) and links[index].position < position:
+                    verifier.feed(None, links[index])  # a link whose event was deleted
+                    index += 1
+                link = None
+                if index < len(links) and links[index].position == position:
+                    link = links[index]
+                    index += 1
+                event: Any = None
+                try:
+                    event = decode(notification)
+                except Exception as error:
+                    violations.append(
+                        Violation(position, str(notification.originator_id),
+                                  notification.topic.rpartition(":")[2], "unreadable",
+                                  f"the event cannot be decoded ({type(error).__name__})")
+                    )  # fmt: skip
+                if after_time is not None and event is not None and event.timestamp > after_time:
+                    finished = True
+                    break
+                if chained:
+                    state: Any = notification.state
+                    verifier.feed(
+                        ChainedEvent(
+                            position,
+                            notification.originator_id,
+                            notification.originator_version,
+                            str(notification.topic),
+                            state.encode() if isinstance(state, str) else bytes(state),
+                        ),
+                        link,
+                    )
+                if event is not None:
+                    try:
+                        audit.apply(position, event)
+                    except Exception as error:
+                        violations.append(
+                            Violation(position, str(notification.originator_id),
+                                      type(event).__qualname__, "unfoldable",
+                                      f"the fold cannot apply it ({type(error).__name__}: "
+                                      f"{error})")
+                        )  # fmt: skip
+                    snapshots.apply(event)
+                read += 1
+                if read % PAGE == 0:
+                    progress(PAGE)
+                last = position
+            if finished:
+                break
+            for link in links[index:]:
+                verifier.feed(None, link)
+            last = page[-1].id
+        if chained and not finished:
+            for link in select_links(recorder, last, stop):
+                verifier.feed(None, link)  # links after the last event: events deleted
+        try:
+            audit.finish()
+        except Exception as error:  # pragma: no cover - a tampered history
+            violations.append(Violation(last, "-", "-", "unfoldable", str(error)))
+    violations.extend(outside_log(recorder, read, last))  # the streams hold no other event
+    snapshots.finish(None if finished else stop, max(last, verifier.last_position))
+    if chained and checkpoint is not None:
+        verifier.check(checkpoint)
+    elif checkpoint is not None:
+        verifier.findings.append(Finding(0, "unchained", "this store keeps no chain"))
+    audit.violations.extend(violations)
+    audit.violations.extend(_chain_violation(finding) for finding in verifier.findings)
+    audit.violations.extend(snapshots.violations)
+    head = verifier.head
+    report = ChainReport(
+        chained=chained,
+        keyed=app.chain.keyed,
+        unchained_until=verifier.unchained_until,
+        links_checked=verifier.links_checked,
+        snapshots_checked=snapshots.checked,
+        head=None if head is None else str(Checkpoint(head.position, head.digest)),
+        checkpoint=None if checkpoint is None else (
+            checkpoint.hex() if isinstance(checkpoint, bytes) else str(checkpoint)),
+    )  # fmt: skip
+    return audit, report
