@@ -12,12 +12,19 @@ MODE`` needs UPDATE, DELETE or TRUNCATE privilege. EXECUTE on ``<events>_append(
 and ``<events>_append_with_snapshots(...)`` (the saves of an unkeyed chain in one
 statement, :mod:`.server_append`; ``SECURITY INVOKER``, so they insert with the
 application role's own privileges) is likewise granted to the application role alone.
+
+Both roles lose a transaction they leave idle: ``ALTER ROLE ... IN DATABASE ... SET
+idle_in_transaction_session_timeout`` (``db grant --idle-in-transaction-timeout``,
+default ``DEFAULT_IDLE_IN_TRANSACTION_SECONDS``), so that a session of either that takes
+a lock (the events table's, an uncommitted INSERT's, an advisory lock inside a
+transaction) and idles is ended by the server: a red team's did, and every writer
+waited for it.
 """
 
 from __future__ import annotations
 
 from psycopg import Connection
-from psycopg.sql import SQL, Composed, Identifier
+from psycopg.sql import SQL, Composed, Identifier, Literal
 
 from secondbox_scheduler.infrastructure.store.server_append import (
     APPEND_ARGUMENTS,
@@ -28,6 +35,7 @@ from secondbox_scheduler.infrastructure.store.server_append import (
 
 APPEND_ONLY = ("events", "events_chain")  # suffixes of the append-only tables
 PREFIX = "schedulerapplication_"
+DEFAULT_IDLE_IN_TRANSACTION_SECONDS = 30
 
 
 def grant_statements(
@@ -36,9 +44,14 @@ def grant_statements(
     owner: str,
     application: str,
     auditor: str | None = None,
+    idle_in_transaction_timeout: float = DEFAULT_IDLE_IN_TRANSACTION_SECONDS,
 ) -> list[Composed]:
     """The statements that give ``application`` and ``auditor`` their privileges on the
-    tables ``owner`` made in ``schema`` (and take every other privilege away)."""
+    tables ``owner`` made in ``schema`` (and take every other privilege away), and end
+    a transaction either leaves idle for ``idle_in_transaction_timeout`` seconds (0:
+    never)."""
+    if not 0 <= idle_in_transaction_timeout <= 86400:  # also refuses NaN
+        raise ValueError("the idle-in-transaction timeout is seconds from 0 to 86400")
     tables = [
         str(row[0])
         for row in connection.execute(
@@ -90,6 +103,14 @@ def grant_statements(
             SQL("GRANT USAGE ON SCHEMA {} TO {}").format(s, a),
             SQL("GRANT SELECT ON ALL TABLES IN SCHEMA {} TO {}").format(s, a),
         ]
+    database = Identifier(str(connection.info.dbname))
+    idle = Literal(f"{int(idle_in_transaction_timeout * 1000)}ms")
+    for role in (application, auditor) if auditor else (application,):
+        statements.append(
+            SQL("ALTER ROLE {} IN DATABASE {} SET idle_in_transaction_session_timeout = {}").format(
+                Identifier(role), database, idle
+            )
+        )
     return statements
 
 
@@ -99,9 +120,12 @@ def grant(
     owner: str,
     application: str,
     auditor: str | None = None,
+    idle_in_transaction_timeout: float = DEFAULT_IDLE_IN_TRANSACTION_SECONDS,
 ) -> list[str]:
     """Run :func:`grant_statements` in one transaction; returns them as text."""
-    statements = grant_statements(connection, schema, owner, application, auditor)
+    statements = grant_statements(
+        connection, schema, owner, application, auditor, idle_in_transaction_timeout
+    )
     with connection.transaction():
         for statement in statements:
             connection.execute(statement)

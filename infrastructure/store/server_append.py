@@ -113,7 +113,9 @@ def append_with_snapshots_statement(
     seal of each one taken at an event of this save, computed as
     :meth:`~secondbox_scheduler.domain.audit.chain.Chain.seal` does from that event's new
     link. Returns what ``<events>_append`` returns. ``SECURITY INVOKER``: it writes with
-    the caller's own privileges."""
+    the caller's own privileges. A snapshot or a seal whose (id, version) is taken
+    already (a row planted ahead) is skipped, not the save: the events commit, and the
+    mismatched pair is refused when read (:mod:`.sealed_snapshots`)."""
     return SQL(
         "CREATE OR REPLACE FUNCTION {schema}.{append_with_snapshots}("
         "ids uuid[], versions bigint[], topics text[], states bytea[], lock_timeout text, "
@@ -129,7 +131,7 @@ def append_with_snapshots_statement(
         "FROM {schema}.{append}(ids, versions, topics, states, lock_timeout) AS a;\n"
         "  INSERT INTO {schema}.{snapshots} (originator_id, originator_version, topic, state) "
         "SELECT u.i, u.v, u.t, u.st FROM unnest(snapshot_ids, snapshot_versions, "
-        "snapshot_topics, snapshot_states) AS u(i, v, t, st);\n"
+        "snapshot_topics, snapshot_states) AS u(i, v, t, st) ON CONFLICT DO NOTHING;\n"
         "  INSERT INTO {schema}.{seals} (originator_id, originator_version, seal) "
         "SELECT u.i, u.v, sha256(convert_to('secondbox-snapshot-seal-v1', 'UTF8') "
         "|| int8send(octet_length(e.link)::bigint) || e.link "
@@ -138,7 +140,7 @@ def append_with_snapshots_statement(
         "|| int8send(octet_length(u.st)::bigint) || u.st) "
         "FROM unnest(snapshot_ids, snapshot_versions, snapshot_topics, snapshot_states) "
         "AS u(i, v, t, st) JOIN unnest(ids, versions, digests) AS e(i, v, link) "
-        "ON e.i = u.i AND e.v = u.v;\n"
+        "ON e.i = u.i AND e.v = u.v ON CONFLICT DO NOTHING;\n"
         "  RETURN QUERY SELECT * FROM unnest(positions, digests);\n"
         "END;$BODY$"
     ).format(
