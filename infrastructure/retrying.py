@@ -4,7 +4,10 @@ A command that loses an optimistic-concurrency race (``IntegrityError``: a rival
 committed first) or read two aggregates on either side of a rival's commit
 (:class:`StaleRead`) runs again from the start after a full-jitter backoff; past its
 retry limit the caller gets ``SerializationContentionError`` (docs/spec.md, section 6,
-step 6).
+step 6). A save that gave up waiting for a lock another session holds
+(:class:`~.store.write_timeouts.WriteTimeoutError`) is a lost race too, retried at most
+``TIMEOUT_RETRY_LIMIT`` times within that budget: each waited the whole write lock
+timeout already, and a hold that outlived three of them is not about to end.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from eventsourcing.persistence import IntegrityError
 
 from secondbox_scheduler.domain.errors import SerializationContentionError
 from secondbox_scheduler.infrastructure.counters import SchedulerMetrics
+from secondbox_scheduler.infrastructure.store.write_timeouts import WriteTimeoutError
 
 T = TypeVar("T")
 
@@ -26,6 +30,7 @@ BACKOFF_BASE_SECONDS = 0.002
 BACKOFF_CAP_SECONDS = 0.250
 BACKOFF_MAX_EXPONENT = 10  # 2 ms * 2**10 is past the cap already; 2.0**1024 overflows
 COMMAND_RETRY_LIMIT = 32  # conflicts tolerated by commands other than schedule
+TIMEOUT_RETRY_LIMIT = 2  # of those, saves that timed out waiting for a lock
 
 
 class StaleRead(Exception):
@@ -64,11 +69,14 @@ class Retrying:
 
     def run(self, operation: Callable[[int], T], *, retries: int, subject: str) -> T:
         """Run ``operation(attempt)``; on a lost race back off and run it again."""
+        timeouts = 0
         for attempt in range(retries + 1):
             try:
                 return operation(attempt)
-            except (IntegrityError, StaleRead):
-                if attempt == retries:
+            except (IntegrityError, StaleRead) as error:
+                timeouts += isinstance(error, WriteTimeoutError)
+                if attempt == retries or timeouts > TIMEOUT_RETRY_LIMIT:
+                    retries = attempt
                     break
                 self.metrics.add("contention_retries")
                 self.backoff(attempt)

@@ -45,6 +45,18 @@ def db_grant(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the statements without running them.")
     ] = False,
+    idle_in_transaction_timeout: Annotated[
+        float,
+        typer.Option(
+            "--idle-in-transaction-timeout",
+            min=0,
+            max=86400,
+            help=(
+                "Seconds after which the server ends a transaction the application or "
+                "audit role leaves idle (and the locks it holds); 0: never."
+            ),
+        ),
+    ] = 30,
 ) -> None:
     from secondbox_scheduler.infrastructure.settings import settings_from_url
     from secondbox_scheduler.infrastructure.store.roles import grant, grant_statements
@@ -56,9 +68,25 @@ def db_grant(
             if dry_run:
                 done = [
                     s.as_string(connection)
-                    for s in grant_statements(connection, schema, owner, app, auditor, projector)
+                    for s in grant_statements(
+                        connection,
+                        schema,
+                        owner,
+                        app,
+                        auditor,
+                        projector,
+                        idle_in_transaction_timeout,
+                    )
                 ]
             else:
-                done = grant(connection, schema, owner, app, auditor, projector)
+                done = grant(
+                    connection,
+                    schema,
+                    owner,
+                    app,
+                    auditor,
+                    projector,
+                    idle_in_transaction_timeout,
+                )
     for statement in done:
         stdout().print(statement + ";", highlight=False, soft_wrap=True)

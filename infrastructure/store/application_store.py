@@ -10,6 +10,7 @@ in their order with the snapshots due. It knows no command and no aggregate rule
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -17,7 +18,7 @@ from uuid import UUID
 
 from eventsourcing.application import AggregateNotFoundError, Application, ProcessingEvent
 from eventsourcing.domain import Snapshot
-from eventsourcing.persistence import ApplicationRecorder, EventStore, Mapper
+from eventsourcing.persistence import ApplicationRecorder, EventStore, IntegrityError, Mapper
 from eventsourcing.postgres import PostgresDatastore
 from eventsourcing.sqlite import SQLiteDatastore
 from eventsourcing.utils import EnvType, strtobool
@@ -43,13 +44,22 @@ from secondbox_scheduler.infrastructure.store.sealed_postgres import SealedPostg
 from secondbox_scheduler.infrastructure.store.sealed_snapshots import SealedSnapshots
 from secondbox_scheduler.infrastructure.store.sealed_sqlite import SealedSQLiteSnapshots
 from secondbox_scheduler.infrastructure.store.startup import (
+    STARTUP_LOCK_TIMEOUT_MS,
     check_sqlite,
     connect_postgres,
     postgres_schema_lock,
 )
+from secondbox_scheduler.infrastructure.store.write_timeouts import (
+    DEFAULT_WRITE_LOCK_TIMEOUT_MS,
+    DEFAULT_WRITE_STATEMENT_TIMEOUT_MS,
+    WRITE_LOCK_TIMEOUT_MS,
+    WRITE_STATEMENT_TIMEOUT_MS,
+    milliseconds,
+)
 from secondbox_scheduler.projections.event_log import count_events, last_versions
 
 A = TypeVar("A")
+log = logging.getLogger("secondbox_scheduler.store")
 
 
 class StoredApplication(Application[UUID]):
@@ -68,7 +78,9 @@ class StoredApplication(Application[UUID]):
         replicas starting together take in turn."""
         module = planned.get("PERSISTENCE_MODULE", "")
         if module == POSTGRES_MODULE:
-            settings = {key: planned.get(key) or "" for key in POSTGRES_SETTINGS}
+            settings = {
+                key: planned.get(key) or "" for key in (*POSTGRES_SETTINGS, STARTUP_LOCK_TIMEOUT_MS)
+            }
             if strtobool(planned.get("CREATE_TABLE") or "y"):
                 with postgres_schema_lock(settings) as may_create:
                     # a role without CREATE on the schema (the append-only application
@@ -116,6 +128,13 @@ class StoredApplication(Application[UUID]):
         recorder = super().construct_recorder()
         if isinstance(recorder, ChainedRecorder):
             recorder.configure(self.chain)
+        if isinstance(recorder, ChainedPostgresRecorder):  # docs/operations.md, "Timeouts"
+            recorder.set_write_timeouts(
+                milliseconds(self.env, WRITE_LOCK_TIMEOUT_MS, DEFAULT_WRITE_LOCK_TIMEOUT_MS),
+                milliseconds(
+                    self.env, WRITE_STATEMENT_TIMEOUT_MS, DEFAULT_WRITE_STATEMENT_TIMEOUT_MS
+                ),
+            )
         return recorder
 
     def construct_snapshot_store(self) -> EventStore[UUID]:
@@ -132,6 +151,8 @@ class StoredApplication(Application[UUID]):
             sealed = SealedSQLiteSnapshots(datastore, events_table_name=name)
         elif isinstance(datastore, PostgresDatastore):
             sealed = SealedPostgresSnapshots(datastore, events_table_name=name)
+            if isinstance(recorder, ChainedPostgresRecorder):
+                sealed.write_lock_timeout = recorder.write_lock_timeout
         else:  # pragma: no cover - chained recorders exist for these two stores only
             return store
         sealed.configure(self.chain, recorder.events_table_name)  # before its tables
@@ -214,8 +235,19 @@ class StoredApplication(Application[UUID]):
         if "snapshots" in processing_event.saved_kwargs:
             return
         taken = self._snapshots_due(processing_event)
-        if taken and self.snapshots is not None:  # one transaction for all of them
+        if taken:  # one transaction for all of them
+            self._put_snapshots(taken)
+
+    def _put_snapshots(self, taken: list[Any]) -> None:
+        """Store snapshots of events already committed. One that cannot be stored (a
+        lock held elsewhere past the write lock timeout) is skipped, with a warning:
+        the events are saved, and a later save passes the interval again."""
+        if self.snapshots is None:
+            return
+        try:
             self.snapshots.put(taken)
+        except IntegrityError as error:
+            log.warning("snapshots skipped (the events are saved): %s", error)
 
     def _snapshots_due(self, processing_event: ProcessingEvent[UUID]) -> list[Any]:
         """The snapshots of the aggregates of ``processing_event`` whose new events pass

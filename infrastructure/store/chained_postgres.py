@@ -17,6 +17,10 @@ The events table refuses a position <= 0 (``CHECK (notification_id > 0)``, added
 creation, and by the owner's next start to a table of an earlier release): the red team
 inserted events at position 0, outside the log that the audit, the checkpoints and the
 read models read, which the aggregates loaded by stream and acted on.
+
+Every save waits at most the write lock timeout for a lock and the write statement
+timeout for a statement (:mod:`.write_timeouts`), then fails with a typed contention
+error.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from eventsourcing.postgres import PostgresApplicationRecorder, PostgresDatastor
 from eventsourcing.utils import retry
 from psycopg import Rollback
 from psycopg.rows import tuple_row
-from psycopg.sql import SQL, Identifier
+from psycopg.sql import SQL, Identifier, Literal
 
 from secondbox_scheduler.domain.audit.chain import ChainedEvent, Link
 from secondbox_scheduler.infrastructure.store.chain_tables import (
@@ -67,6 +71,11 @@ from secondbox_scheduler.infrastructure.store.server_append import (
     append_function_statement,
 )
 from secondbox_scheduler.infrastructure.store.state_compression import compress_states_with_lz4
+from secondbox_scheduler.infrastructure.store.write_timeouts import (
+    DEFAULT_WRITE_LOCK_TIMEOUT_MS,
+    DEFAULT_WRITE_STATEMENT_TIMEOUT_MS,
+    timeouts_as_contention,
+)
 
 log = logging.getLogger("secondbox_scheduler.chain")
 
@@ -140,10 +149,8 @@ class ChainedPostgresRecorder(SavesInServer, ChainedRecorder, PostgresApplicatio
         )
         self._appends_in_server: bool | None = None  # known at the first save
         # statements rendered once: psycopg renders a Composed again at every execute
-        self.lock_table_statements = [
-            compiled(SQL("SET LOCAL lock_timeout = '{0}s'").format(datastore.lock_timeout)),
-            compiled(SQL("SELECT {}.{}()").format(schema, function)),
-        ]
+        self.lock_statement = compiled(SQL("SELECT {}.{}()").format(schema, function))
+        self.set_write_timeouts(DEFAULT_WRITE_LOCK_TIMEOUT_MS, DEFAULT_WRITE_STATEMENT_TIMEOUT_MS)
         self.notify_statement = compiled(SQL("NOTIFY {}").format(Identifier(self.channel_name)))
         self.insert_unnested_statement = compiled(unnested_insert(self, returning=True))
         self.select_head_statement = compiled(
@@ -158,6 +165,19 @@ class ChainedPostgresRecorder(SavesInServer, ChainedRecorder, PostgresApplicatio
             ).format(schema, chain)
         )
 
+    def set_write_timeouts(self, lock_ms: int, statement_ms: int) -> None:
+        """How long a save waits for a lock and for a statement (0: no bound), set in
+        each save's transaction (:mod:`.write_timeouts`)."""
+        self.write_lock_timeout = f"{lock_ms}ms"
+        self.statement_timeout_statement = compiled(
+            SQL("SET LOCAL statement_timeout = {}").format(Literal(f"{statement_ms}ms"))
+        )
+        self.lock_table_statements = [
+            compiled(SQL("SET LOCAL lock_timeout = {}").format(Literal(self.write_lock_timeout))),
+            self.statement_timeout_statement,
+            self.lock_statement,
+        ]
+
     def create_table(self) -> None:
         super().create_table()
         compress_states_with_lz4(self.datastore, self.events_table_name)
@@ -166,6 +186,7 @@ class ChainedPostgresRecorder(SavesInServer, ChainedRecorder, PostgresApplicatio
         curs.execute(self.notify_statement)
 
     @retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
+    @timeouts_as_contention
     def insert_events(
         self,
         stored_events: Sequence[StoredEvent],
@@ -249,7 +270,7 @@ class ChainedPostgresRecorder(SavesInServer, ChainedRecorder, PostgresApplicatio
         links' digests: ``<events>_append_with_snapshots`` seals and writes them in the
         same statement; where it is absent or forbidden, the append then the snapshots,
         in one transaction (two round trips)."""
-        params = (*unnested(stored_events), f"{self.datastore.lock_timeout}s")
+        params = (*unnested(stored_events), self.write_lock_timeout)
         if snapshots is not None and snapshots.recorder.appends_in_server():
             try:
                 return self._appended(
@@ -270,6 +291,7 @@ class ChainedPostgresRecorder(SavesInServer, ChainedRecorder, PostgresApplicatio
         ):
             with conn.pipeline() as pipeline, conn.transaction(), conn.cursor() as curs:
                 try:
+                    curs.execute(self.statement_timeout_statement)
                     appended.execute(self.append_statement, params, prepare=True)
                     pipeline.sync()
                     rows = appended.fetchall()
@@ -348,12 +370,16 @@ class ChainedPostgresRecorder(SavesInServer, ChainedRecorder, PostgresApplicatio
         self, stored_events: Sequence[StoredEvent], statement: bytes, params: tuple[Any, ...]
     ) -> Sequence[int]:
         """The positions of ``stored_events`` saved by one statement (a function of
-        :mod:`.server_append`) on the pool's autocommit connection."""
+        :mod:`.server_append`) in a transaction of its own that bounds it by the write
+        statement timeout (one round trip: the pipeline sends the ``BEGIN``, the
+        ``SET LOCAL``, the call and the ``COMMIT`` together)."""
         with (
             self.datastore.get_connection() as conn,
             conn.cursor(row_factory=tuple_row) as appended,
         ):
-            appended.execute(statement, params, prepare=True)
+            with conn.pipeline(), conn.transaction():
+                conn.execute(self.statement_timeout_statement)
+                appended.execute(statement, params, prepare=True)
             rows = appended.fetchall()
         return self._positions(rows, stored_events)
 

@@ -19,12 +19,20 @@ The read models and their tracking tables are written by the projector role
 (``--projector``: ``secondbox-scheduler projections run`` under it, the serving
 replicas with ``SECONDBOX_READ_MODELS=external``), which may read the history and
 write nothing else. Without ``--projector`` nobody but the owner writes them.
+
+The application, projector and audit roles lose a transaction they leave idle:
+``ALTER ROLE ... IN DATABASE ... SET idle_in_transaction_session_timeout`` (``db grant
+--idle-in-transaction-timeout``, default ``DEFAULT_IDLE_IN_TRANSACTION_SECONDS``), so
+that a session of any of them that takes
+a lock (the events table's, an uncommitted INSERT's, an advisory lock inside a
+transaction) and idles is ended by the server: a red team's did, and every writer
+waited for it.
 """
 
 from __future__ import annotations
 
 from psycopg import Connection
-from psycopg.sql import SQL, Composed, Identifier
+from psycopg.sql import SQL, Composed, Identifier, Literal
 
 from secondbox_scheduler.infrastructure.store.keyed_append import (
     INSERT_ARGUMENTS,
@@ -43,6 +51,7 @@ SAVE_FUNCTIONS = (  # (name suffix, signature): the saves the application role m
     ("events_insert", INSERT_ARGUMENTS),
     ("events_link", LINK_ARGUMENTS),
 )
+DEFAULT_IDLE_IN_TRANSACTION_SECONDS = 30
 
 
 def grant_statements(
@@ -52,10 +61,14 @@ def grant_statements(
     application: str,
     auditor: str | None = None,
     projector: str | None = None,
+    idle_in_transaction_timeout: float = DEFAULT_IDLE_IN_TRANSACTION_SECONDS,
 ) -> list[Composed]:
     """The statements that give ``application``, ``projector`` and ``auditor`` their
     privileges on the tables ``owner`` made in ``schema`` (and take every other
-    privilege away)."""
+    privilege away), and end a transaction any of them leaves idle for
+    ``idle_in_transaction_timeout`` seconds (0: never)."""
+    if not 0 <= idle_in_transaction_timeout <= 86400:  # also refuses NaN
+        raise ValueError("the idle-in-transaction timeout is seconds from 0 to 86400")
     tables = [
         str(row[0])
         for row in connection.execute(
@@ -117,6 +130,14 @@ def grant_statements(
             SQL("GRANT USAGE ON SCHEMA {} TO {}").format(s, a),
             SQL("GRANT SELECT ON ALL TABLES IN SCHEMA {} TO {}").format(s, a),
         ]
+    database = Identifier(str(connection.info.dbname))
+    idle = Literal(f"{int(idle_in_transaction_timeout * 1000)}ms")
+    for role in (r for r in (application, projector, auditor) if r):
+        statements.append(
+            SQL("ALTER ROLE {} IN DATABASE {} SET idle_in_transaction_session_timeout = {}").format(
+                Identifier(role), database, idle
+            )
+        )
     return statements
 
 
@@ -127,9 +148,12 @@ def grant(
     application: str,
     auditor: str | None = None,
     projector: str | None = None,
+    idle_in_transaction_timeout: float = DEFAULT_IDLE_IN_TRANSACTION_SECONDS,
 ) -> list[str]:
     """Run :func:`grant_statements` in one transaction; returns them as text."""
-    statements = grant_statements(connection, schema, owner, application, auditor, projector)
+    statements = grant_statements(
+        connection, schema, owner, application, auditor, projector, idle_in_transaction_timeout
+    )
     with connection.transaction():
         for statement in statements:
             connection.execute(statement)

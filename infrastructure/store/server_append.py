@@ -161,7 +161,9 @@ def append_with_snapshots_statement(
     snapshot that is not at an event of the same call (found by the red team: under
     ``SECURITY INVOKER`` with INSERT on the snapshots, the application role stored a
     runner's snapshot with nothing reserved, sealed from public data, and a fresh replica
-    acted on it)."""
+    acted on it). A snapshot or a seal whose (id, version) is
+    taken already (a row planted ahead) is skipped, not the save: the events commit, and
+    the mismatched pair is refused when read (:mod:`.sealed_snapshots`)."""
     return SQL(
         "CREATE OR REPLACE FUNCTION {schema}.{append_with_snapshots}("
         "ids uuid[], versions bigint[], topics text[], states bytea[], lock_timeout text, "
@@ -183,7 +185,7 @@ def append_with_snapshots_statement(
         "FROM {schema}.{append}(ids, versions, topics, states, lock_timeout) AS a;\n"
         "  INSERT INTO {schema}.{snapshots} (originator_id, originator_version, topic, state) "
         "SELECT u.i, u.v, u.t, u.st FROM unnest(snapshot_ids, snapshot_versions, "
-        "snapshot_topics, snapshot_states) AS u(i, v, t, st);\n"
+        "snapshot_topics, snapshot_states) AS u(i, v, t, st) ON CONFLICT DO NOTHING;\n"
         "  INSERT INTO {schema}.{seals} (originator_id, originator_version, seal) "
         "SELECT u.i, u.v, sha256(convert_to('secondbox-snapshot-seal-v1', 'UTF8') "
         "|| int8send(octet_length(e.link)::bigint) || e.link "
@@ -192,7 +194,7 @@ def append_with_snapshots_statement(
         "|| int8send(octet_length(u.st)::bigint) || u.st) "
         "FROM unnest(snapshot_ids, snapshot_versions, snapshot_topics, snapshot_states) "
         "AS u(i, v, t, st) JOIN unnest(ids, versions, digests) AS e(i, v, link) "
-        "ON e.i = u.i AND e.v = u.v;\n"
+        "ON e.i = u.i AND e.v = u.v ON CONFLICT DO NOTHING;\n"
         "  RETURN QUERY SELECT * FROM unnest(positions, digests);\n"
         "END;$BODY$"
     ).format(

@@ -10,7 +10,12 @@ On PostgreSQL the same connection then holds an advisory lock while the tables, 
 and indexes are created (the event and snapshot stores' and the read models'), so that
 replicas that start together never run the same ``CREATE`` statements at the same
 moment ("tuple concurrently updated", duplicate ``pg_type`` rows): the first creates
-them, the others find them there.
+them, the others find them there. The lock is waited for at most
+``SECONDBOX_STARTUP_LOCK_TIMEOUT_MS`` (default 30,000): any role that may connect can
+take an advisory lock (a red team's read-only audit role held this one and ``serve``
+waited the whole hold), so past the timeout the start fails with a
+:class:`StoreUnavailableError` (``schema-locked``) naming the holder's pid, role and
+``application_name``.
 """
 
 from __future__ import annotations
@@ -22,10 +27,14 @@ from contextlib import contextmanager
 
 import psycopg
 from psycopg.conninfo import make_conninfo
+from psycopg.sql import SQL, Literal
 
 from secondbox_scheduler.domain.errors import SchedulerError
+from secondbox_scheduler.infrastructure.store.write_timeouts import milliseconds
 
 DEFAULT_CONNECT_TIMEOUT_SECONDS = 5
+STARTUP_LOCK_TIMEOUT_MS = "SECONDBOX_STARTUP_LOCK_TIMEOUT_MS"
+DEFAULT_STARTUP_LOCK_TIMEOUT_MS = 30000
 REASONS = {
     "unknown-host": "unknown host (the name does not resolve)",
     "connection-refused": "connection refused (is the server running and listening there?)",
@@ -34,6 +43,7 @@ REASONS = {
     "timeout": "no answer within the connect timeout",
     "not-a-database": "the file is not a SQLite database",
     "cannot-open": "cannot open the database file (missing directory or no permission)",
+    "schema-locked": "another session holds the schema's start-up lock past the timeout",
     "unavailable": "the store is unavailable",
 }
 _POSTGRES_SIGNS = (  # (reason, a fragment of libpq's or the server's message), in order
@@ -56,7 +66,7 @@ class StoreUnavailableError(SchedulerError):
     def __init__(self, reason: str, target: str, detail: str = "") -> None:
         self.reason = reason
         self.target = target
-        self.retryable = reason in ("timeout", "connection-refused", "unavailable")
+        self.retryable = reason in ("timeout", "connection-refused", "unavailable", "schema-locked")
         message = f"SecondBox scheduler store unavailable: {target}: {REASONS[reason]}"
         super().__init__(f"{message} ({detail})" if detail else message)
 
@@ -113,11 +123,41 @@ def postgres_schema_lock(settings: Mapping[str, str]) -> Iterator[bool]:
             (schema,),
         ).fetchone()
         may_create = row is None or bool(row[0])
-        connection.execute("SELECT pg_advisory_lock(%s)", (key,))
+        timeout = milliseconds(settings, STARTUP_LOCK_TIMEOUT_MS, DEFAULT_STARTUP_LOCK_TIMEOUT_MS)
+        connection.execute(SQL("SET lock_timeout = {}").format(Literal(f"{timeout}ms")))
+        try:
+            connection.execute("SELECT pg_advisory_lock(%s)", (key,))
+        except psycopg.errors.LockNotAvailable:
+            holders = advisory_lock_holders(connection, key)
+            raise StoreUnavailableError(
+                "schema-locked",
+                postgres_target(settings),
+                f"schema {schema}: held by {holders or 'a session that has ended'}; "
+                f"waited {timeout} ms ({STARTUP_LOCK_TIMEOUT_MS})",
+            ) from None
+        connection.execute("RESET lock_timeout")
         try:
             yield may_create
         finally:
             connection.execute("SELECT pg_advisory_unlock(%s)", (key,))
+
+
+def advisory_lock_holders(connection: psycopg.Connection[tuple[object, ...]], key: int) -> str:
+    """Who holds the advisory lock ``key`` (a bigint key below 2**32) in this database:
+    each holder's pid, role and application_name (pg_locks joined with
+    pg_stat_activity, which shows them for every role's sessions)."""
+    rows = connection.execute(
+        "SELECT l.pid, coalesce(a.usename, '?'), coalesce(a.application_name, '') "
+        "FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid "
+        "WHERE l.locktype = 'advisory' AND l.granted AND l.classid = 0 "
+        "AND l.objid::bigint = %s AND l.objsubid = 1 "
+        "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+        "ORDER BY l.pid",
+        (key,),
+    ).fetchall()
+    return ", ".join(
+        f"pid {pid} (role {role}, application_name {name!r})" for pid, role, name in rows
+    )
 
 
 def check_sqlite(name: str) -> None:

@@ -3,16 +3,17 @@
 :func:`run_fault_injection` creates a fresh PostgreSQL database, registers a fleet with
 hot spots (:mod:`.fleet`), starts N worker processes (:mod:`.worker`) that schedule,
 release, drain, heartbeat and reconcile concurrently until the deadline, SIGKILLs random
-workers at random moments and restarts them, optionally restarts PostgreSQL mid-run, and
-then runs the final checks (:mod:`.checks`). The workers' journals and logs go to the
-configured ``log_dir`` or to a new temporary directory, named in the report.
+workers at random moments and restarts them, optionally restarts PostgreSQL mid-run (only
+the cluster of this machine that the URL names, proved before anything runs:
+:mod:`.restart`), and then runs the final checks (:mod:`.checks`). The workers' journals
+and logs go to the configured ``log_dir`` or to a new temporary directory, named in the
+report.
 """
 
 from __future__ import annotations
 
 import json
 import random
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,7 @@ from secondbox_scheduler.infrastructure.tools.fault_injection.database import (
     fault_run_database,
 )
 from secondbox_scheduler.infrastructure.tools.fault_injection.fleet import setup_fleet
+from secondbox_scheduler.infrastructure.tools.fault_injection.restart import prove_local_cluster
 
 WORKER_MODULE = "secondbox_scheduler.infrastructure.tools.fault_injection.worker"
 LOG_DIR_PREFIX = "secondbox-fault-run-"
@@ -51,25 +53,13 @@ def log_directory(config: FaultRunConfig) -> Path:
     return directory
 
 
-def restart_postgres() -> bool:
-    """Restart the local cluster with pg_ctlcluster; False where this machine can't."""
-    if not shutil.which("pg_ctlcluster"):
-        return False
-    versions = sorted(Path("/etc/postgresql").glob("*"))
-    if not versions:
-        return False
-    result = subprocess.run(
-        ["pg_ctlcluster", "--skip-systemctl-redirect", versions[-1].name, "main", "restart"],
-        capture_output=True,
-    )
-    return result.returncode == 0
-
-
 def run_fault_injection(
     config: FaultRunConfig, say: Callable[[str], None] = lambda _: None
 ) -> FaultRunReport:
     if config.profile not in PROFILES:
         raise ValueError(f"profile must be one of {list(PROFILES)}, not {config.profile!r}")
+    # before anything runs: the server to restart is the URL's, or none (RestartRefused)
+    cluster = prove_local_cluster(config.database_url) if config.restart_postgres else None
     name = f"secondbox_verify_{int(time.time())}"
     url = fault_run_database(config.database_url, name)
     directory = log_directory(config)
@@ -128,11 +118,15 @@ def run_fault_injection(
                 processes[victim] = start(configs[victim])
             if restart_at is not None and time.time() >= restart_at:
                 restart_at = None
-                if restart_postgres():
+                assert cluster is not None
+                if cluster.restart(directory / "postgres-restart.log"):
                     report.restarts_of_postgres += 1
-                    say("restarted PostgreSQL")
+                    say(f"restarted PostgreSQL ({cluster.data_directory}, port {cluster.port})")
                 else:
-                    say("could not restart PostgreSQL on this machine; skipped")
+                    report.violations.append(
+                        f"--restart-postgres: pg_ctl failed to restart {cluster.data_directory} "
+                        f"(see {directory / 'postgres-restart.log'})"
+                    )
         for index, process in enumerate(processes):
             try:
                 code = process.wait(timeout=120)
