@@ -40,6 +40,7 @@ from secondbox_scheduler.domain.errors import (
     PlacementError,
     RunnerNotFoundError,
     SchedulerError,
+    SerializationContentionError,
 )
 from secondbox_scheduler.domain.ids import runner_uuid, sandbox_uuid
 from secondbox_scheduler.domain.lease import RunnerLease
@@ -83,6 +84,7 @@ from secondbox_scheduler.infrastructure.settings import (
 )
 from secondbox_scheduler.infrastructure.store.application_store import StoredApplication
 from secondbox_scheduler.infrastructure.store.startup import DEFAULT_CONNECT_TIMEOUT_SECONDS
+from secondbox_scheduler.infrastructure.store.write_timeouts import WriteTimeoutError
 from secondbox_scheduler.projections.read_models import (
     ProjectionStatus,
     ReadModels,
@@ -250,6 +252,8 @@ class SchedulerApplication(StoredApplication):
         )
         try:
             self.save(runner, RunnerLease.open(runner_id, at))
+        except WriteTimeoutError:  # a lock held elsewhere: contention, not a registration
+            raise SerializationContentionError(1, f"runner {runner_id!r}") from None
         except IntegrityError:
             raise AlreadyExistsError(f"runner {runner_id!r} is already registered") from None
 
@@ -371,7 +375,8 @@ class SchedulerApplication(StoredApplication):
                 return sandbox.home_runner_id
             except IntegrityError:
                 existing = self.load(sandbox_uuid(sandbox_id), Sandbox)
-                assert existing is not None
+                if existing is None:  # a write timeout, not a rival's creation
+                    raise SerializationContentionError(1, f"sandbox {sandbox_id!r}") from None
         if (
             existing.workspace_id != workspace_id
             or existing.profile_revision_id != profile_revision_id
@@ -549,7 +554,7 @@ class SchedulerApplication(StoredApplication):
             sandbox_id, lambda sandbox, at: sandbox.advance_generation(generation, at)
         )
 
-    # -- queries (:mod:`.queries`) -----------------------------------------------------
+    # -- queries: documented in :mod:`.queries` ----------------------------------------
 
     def get_assignment(
         self, sandbox_id: str, generation: int | None = None
@@ -558,33 +563,27 @@ class SchedulerApplication(StoredApplication):
         return self.queries.get_assignment(sandbox_id, generation)
 
     def assignments(self, sandbox_id: str) -> list[DurableAssignment]:
-        """Every generation's assignment of one sandbox, oldest first."""
         return self.queries.assignments(sandbox_id)
 
     def runner_assignments(self, runner_id: str) -> list[DurableAssignment]:
-        """The assignments that hold a reservation on one runner."""
         return self.queries.runner_assignments(runner_id)
 
     def sandbox_home(self, sandbox_id: str) -> str:
         return self.queries.sandbox_home(sandbox_id)
 
     def runner_snapshots(self, pool_name: str | None = None) -> list[RunnerSnapshot]:
-        """Every registered runner (of one pool), sorted by id."""
         return self.queries.runner_snapshots(pool_name)
 
     def get_runner(self, runner_id: str) -> RunnerSnapshot:
         return self.queries.get_runner(runner_id)
 
     def read_models_now(self) -> ReadModels:
-        """The read models, caught up (only when this application keeps them)."""
         return self.queries.read_models_now()
 
     def current_read_models(self) -> ReadModels | None:
-        """The read models, caught up first unless another process maintains them."""
         return self.queries.current_read_models()
 
     def wait_for(self, position: int, timeout: float = 5.0) -> None:
-        """Read-your-writes: block until the read models have applied ``position``."""
         self.queries.wait_for(position, timeout)
 
     def fold_runner(self, runner_id: str) -> RunnerSnapshot:

@@ -13,6 +13,7 @@ import uuid
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -24,6 +25,7 @@ from secondbox_scheduler.domain.ids import lease_uuid, runner_uuid
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.store.roles import grant
 from secondbox_scheduler.infrastructure.store.startup import StoreUnavailableError
+from secondbox_scheduler.infrastructure.store.write_timeouts import WriteTimeoutError
 from tests.conftest import Clock, PostgresSchema
 from tests.factories import (
     RUNTIME,
@@ -271,3 +273,28 @@ def test_a_row_planted_at_the_next_snapshot_version_never_fails_a_save(
         assert again.get_runner("r1").reserved.instances == 30
     finally:
         again.close()
+
+
+def test_a_write_timeout_is_contention_not_an_existing_runner_or_sandbox(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save that gave up waiting for a lock stored nothing: registering the runner or
+    creating the sandbox is refused as contention (retryable), never as "already
+    registered" (the registration was not made) or a crash."""
+    clock = Clock()
+    app = SchedulerApplication(
+        env={"SECONDBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'timeouts.db'}"}, now=clock
+    )
+    try:
+        register(app, "r1", at=clock())
+
+        def timed_out(*_: Any, **__: Any) -> Any:
+            raise WriteTimeoutError("lock timeout")
+
+        monkeypatch.setattr(app, "save", timed_out)
+        with pytest.raises(SerializationContentionError):
+            register(app, "r2", at=clock())
+        with pytest.raises(SerializationContentionError):
+            create_sandbox(app, "s1")
+    finally:
+        app.close()
