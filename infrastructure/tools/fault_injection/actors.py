@@ -79,7 +79,7 @@ class Actors:
     # -- helpers ---------------------------------------------------------------------------
 
     def head(self) -> int:
-        return int(self.app.recorder.max_notification_id() or 0)  # type: ignore[attr-defined]
+        return int(self.app.recorder.max_notification_id() or 0)
 
     def runner(self, runner_id: str, pool: str, heartbeat: datetime, **room: int) -> None:
         self.app.register_runner(

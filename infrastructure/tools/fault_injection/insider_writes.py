@@ -42,7 +42,7 @@ def folded(app: SchedulerApplication, stream: UUID) -> Any:
     """The aggregate of ``stream`` folded from its events alone (no snapshot, no cache)."""
     aggregate: Any = None
     for event in app.events.get(stream):
-        aggregate = event.mutate(aggregate)
+        aggregate = event.mutate(aggregate)  # type: ignore[attr-defined]
     return aggregate
 
 
@@ -78,7 +78,7 @@ class Forger:
     ) -> StoredEvent:
         stream = lease_uuid(runner_id)
         now = self.app.now()
-        event = RunnerLease.LivenessRenewed(
+        event = RunnerLease.LivenessRenewed(  # type: ignore[call-arg]
             originator_id=stream, originator_version=self._version(stream) + 1,
             timestamp=now + ahead if event_time_ahead else now, at=now + ahead,
         )  # fmt: skip
