@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from secondbox_scheduler.domain.placement import rules
+from secondbox_scheduler.domain.limits import DEFAULT_CLOCK_TOLERANCE
+from secondbox_scheduler.domain.placement import ranking, rules
 from secondbox_scheduler.domain.placement.evidence import HEARTBEAT_STALE, RuleFailure
 from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.infrastructure import SchedulerApplication, settings
@@ -98,7 +99,7 @@ def test_plant_b_the_staleness_boundary_moved_by_one_tick_fails(
 def test_plant_c_the_ranking_memory_order_reversed_fails(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    original = rules.rank_key_for
+    original = ranking.rank_key_for
 
     def weakened(preferred: frozenset[str], runner: Any) -> Any:
         key = original(preferred, runner)
@@ -113,7 +114,7 @@ def test_plant_c_the_ranking_memory_order_reversed_fails(
 def test_plant_e_the_clock_tolerance_times_ten_fails(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(settings, "DEFAULT_CLOCK_TOLERANCE", settings.DEFAULT_CLOCK_TOLERANCE * 10)
+    monkeypatch.setattr(settings, "DEFAULT_CLOCK_TOLERANCE", DEFAULT_CLOCK_TOLERANCE * 10)
     failed = _failed(_actors(tmp_path))
     assert "actor: the clock tolerance is the documented default" in failed
     assert "actor: lying clock, a request the tolerance and a second ahead" in failed
