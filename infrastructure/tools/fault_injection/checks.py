@@ -23,6 +23,7 @@ from typing import Any
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit.log_fold import fold as audit_fold
 from secondbox_scheduler.infrastructure.audit.verify import verify as audit_verify
+from secondbox_scheduler.infrastructure.tools.fault_injection.actors import ranking_check
 from secondbox_scheduler.infrastructure.tools.fault_injection.config import FaultRunReport
 from secondbox_scheduler.infrastructure.tools.fault_injection.probes import audit_probes
 from secondbox_scheduler.projections.read_models import rebuild
@@ -109,6 +110,8 @@ def check(
             add_stats(report, last_stats)
         if adversarial:
             check_audit_probes(app, report)
+            for probe in ranking_check(app):
+                count_probe(probe.to_record(), report)
         read_models = app.read_models
         assert read_models is not None
         read_models.catch_up()

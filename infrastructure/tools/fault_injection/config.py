@@ -52,6 +52,8 @@ class FaultRunReport:
     # adversarial profile: misbehaviours refused as documented, guard and audit probes held
     misbehaviours: Counter[str] = field(default_factory=Counter)
     probes: Counter[str] = field(default_factory=Counter)
+    # adversarial profile: the insider phase's attempts (name, outcome, detail), in order
+    insider: list[dict[str, Any]] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
 
     @property
@@ -78,5 +80,6 @@ class FaultRunReport:
             "audit_events_per_second": round(self.audit_events_per_second, 1),
             "misbehaviours_refused": dict(sorted(self.misbehaviours.items())),
             "probes_held": dict(sorted(self.probes.items())),
+            "insider": self.insider,
             "violations": self.violations,
         }

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
-from secondbox_scheduler.infrastructure.tools.fault_injection.checks import check
+from secondbox_scheduler.infrastructure.tools.fault_injection.actors import run_actors
+from secondbox_scheduler.infrastructure.tools.fault_injection.checks import check, count_probe
 from secondbox_scheduler.infrastructure.tools.fault_injection.config import (
     PROFILES,
     FaultRunConfig,
@@ -34,6 +35,7 @@ from secondbox_scheduler.infrastructure.tools.fault_injection.database import (
     fault_run_database,
 )
 from secondbox_scheduler.infrastructure.tools.fault_injection.fleet import setup_fleet
+from secondbox_scheduler.infrastructure.tools.fault_injection.insider import MISSED, insider_phase
 from secondbox_scheduler.infrastructure.tools.fault_injection.restart import prove_local_cluster
 
 WORKER_MODULE = "secondbox_scheduler.infrastructure.tools.fault_injection.worker"
@@ -51,6 +53,19 @@ def log_directory(config: FaultRunConfig) -> Path:
     for old in [*directory.glob("worker-*.jsonl"), *directory.glob("worker-*.log")]:
         old.unlink()
     return directory
+
+
+def insider(url: str, runners: list[str], report: FaultRunReport) -> None:
+    """The insider phase's attempts into the report; each one missed is a violation."""
+    try:
+        attempts = insider_phase(url, runners)
+    except Exception as error:  # the phase itself broke: never a pass
+        report.violations.append(f"insider phase failed: {type(error).__name__}: {error}")
+        return
+    for attempt in attempts:
+        report.insider.append(attempt.to_record())
+        if attempt.outcome == MISSED:
+            report.violations.append(f"insider {attempt.name}: missed: {attempt.detail}")
 
 
 def run_fault_injection(
@@ -139,8 +154,16 @@ def run_fault_injection(
                 report.violations.append(
                     f"worker {index} exited with exit code {code} (see worker-{index}.log)"
                 )
-        say("workers done; checking")
-        check(url, configs, report, adversarial=config.profile == "adversarial")
+        adversarial = config.profile == "adversarial"
+        if adversarial:
+            say("workers done; the actors")
+            for probe in run_actors(url):
+                count_probe(probe.to_record(), report)
+        say("checking")
+        check(url, configs, report, adversarial=adversarial)
+        if adversarial:
+            say("the insider phase (the application role)")
+            insider(url, runners, report)
     finally:
         if not config.keep:
             drop_database(config.database_url, name)
