@@ -169,6 +169,7 @@ def _checked_fold(
         )
         for page in pages:
             links = select_links(recorder, last, page[-1].id) if chained else []
+            snapshots.page(last, page[-1].id)
             index = 0
             for notification in page:
                 position = notification.id
