@@ -155,7 +155,7 @@ def _checked_fold(
     if checkpoint is not None:
         verifier.expect(checkpoint)
     snapshots = SnapshotCheck(app)
-    audit = AuditFold()
+    audit = AuditFold(compact=True)
     decode = EventDecoder(app.mapper)
     stop = until if isinstance(until, int) else None
     after_time = until if isinstance(until, datetime) else None

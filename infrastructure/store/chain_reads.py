@@ -205,15 +205,16 @@ def _sqlite_snapshot_rows(
     values = ",".join("(?, ?)" for _ in keys)
     with recorder.datastore.transaction(commit=False) as c:
         c.execute(
+            f"WITH k(id, version) AS (VALUES {values}) "
             "SELECT s.originator_id, s.originator_version, s.topic, s.state, g.seal, "
-            f"c.digest FROM {recorder.events_table_name} s "
+            f"c.digest FROM k CROSS JOIN {recorder.events_table_name} s "
+            "ON s.originator_id = k.id AND s.originator_version = k.version "
             f"LEFT JOIN {seal_table(recorder.events_table_name)} g "
             "ON g.originator_id = s.originator_id "
             "AND g.originator_version = s.originator_version "
             f"LEFT JOIN {events} e ON e.originator_id = s.originator_id "
             "AND e.originator_version = s.originator_version "
-            f"LEFT JOIN {chain} c ON c.position = e.rowid "
-            f"WHERE (s.originator_id, s.originator_version) IN (VALUES {values})",
+            f"LEFT JOIN {chain} c ON c.position = e.rowid",
             [v for key in keys for v in key],
         )
         return [(UUID(r[0]), *r[1:]) for r in c.fetchall()]

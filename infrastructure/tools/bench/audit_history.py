@@ -101,14 +101,14 @@ def _release_and_advance(
         aggregates: dict[Any, Any] = {}
         runners: dict[str, Runner] = {}
         for sandbox_id in part:
-            sandbox = app.repository.get(sandbox_uuid(sandbox_id))
+            sandbox: Any = app.repository.get(sandbox_uuid(sandbox_id))
             assert isinstance(sandbox, Sandbox)
             record = sandbox.release(generation, _token(sandbox_id, generation), PROOF, now)
             assert record is not None
             runner_id = record["runner_id"]
             runner = runners.get(runner_id)
             if runner is None:
-                loaded = app.repository.get(runner_uuid(runner_id))
+                loaded: Any = app.repository.get(runner_uuid(runner_id))
                 assert isinstance(loaded, Runner)
                 runner = runners[runner_id] = loaded
             runner.release(
