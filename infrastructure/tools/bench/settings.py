@@ -92,8 +92,8 @@ class BenchSettings:
                 history_sizes=(10, 1_000, 10_000),
                 history_repeat=7,
                 generation_sizes=(20, 100, 400),
-                audit_sizes=(10_000, 50_000),
-                audit_reservations=1_000,
+                audit_sizes=(2_000, 10_000),
+                audit_reservations=300,
                 sections=sections,
                 chain=chain,
             )
