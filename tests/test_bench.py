@@ -42,6 +42,8 @@ from secondbox_scheduler.infrastructure.tools.bench.workers import (
 from tests.postgres_server import PostgresServer
 
 GOALS = {
+    "audit_memory",
+    "audit_reservations",
     "placement_throughput",
     "contention_goodput",
     "selection_scaling",

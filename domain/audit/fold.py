@@ -90,8 +90,12 @@ class AuditFold(RunnerChecks, SandboxChecks):
         """The event classes the fold checks (the keys of :attr:`HANDLERS`)."""
         return tuple(cls.HANDLERS)
 
-    def __init__(self) -> None:
+    def __init__(self, *, compact: bool = False) -> None:
         super().__init__()
+        # compact: a generation's assignment record, once the sandbox has advanced past
+        # it, keeps only what a later event of it is checked against (``audit verify``,
+        # which needs no record; ``assignment_records`` then lists the compact ones)
+        self.compact = compact
         self._handlers: dict[type[Any], Callable[[Any], None]] = {
             event_class: getattr(self, name) for event_class, name in self.HANDLERS.items()
         }

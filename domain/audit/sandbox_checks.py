@@ -14,6 +14,7 @@ within the clock tolerance (``clock``).
 from __future__ import annotations
 
 from datetime import timedelta
+from sys import intern
 from typing import Any
 
 from secondbox_scheduler.domain.assignment import STATE_RELEASED, STATE_RUNNING, STATE_UNCERTAIN
@@ -87,7 +88,6 @@ class SandboxChecks(FoldState):
         self._check_placement(sandbox, record, dict(event.placement))
         sandbox.assignments[generation] = record
         sandbox.tokens.add(record["fencing_token"])
-        sandbox.fenced_at[generation] = self.position
         self._owe(record["runner_id"], record["capacity"], +1)
         indexed = getattr(event, "token_indexed", False)
         self.pending = Pending(
@@ -224,7 +224,25 @@ class SandboxChecks(FoldState):
         current = sandbox.assignments.get(sandbox.generation)
         if current is None or current["state"] != STATE_RELEASED:
             self._violate("invariant-6", "generation advanced before its assignment was released")
+        if self.compact and current is not None:
+            sandbox.assignments[sandbox.generation] = self._compacted(current)
         sandbox.generation = event.generation
+
+    def _compacted(self, record: dict[str, Any]) -> dict[str, Any]:
+        """What a later event of a past generation is checked against: its state, runner
+        and capacity (a repeated release, an update of it); the revision, which updates
+        count. The runner id and the capacity are shared between records."""
+        capacity = record["capacity"]
+        key = tuple(capacity.items())
+        shared = self._capacities.get(key)
+        if shared is None:
+            shared = self._capacities[key] = dict(capacity)
+        return {
+            "state": record["state"],
+            "runner_id": intern(record["runner_id"]),
+            "capacity": shared,
+            "revision": record["revision"],
+        }
 
     # -- updates of an assignment (one handler per event class) ---------------
 

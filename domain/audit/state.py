@@ -25,6 +25,7 @@ from secondbox_scheduler.domain.values import (
 )
 
 DIMENSIONS = Capacity.DIMENSIONS
+SNAPSHOTS_CACHED = 4  # lease versions whose materializations are kept as value objects
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,8 @@ class LeaseState:
         if items is None:
             _, _, materializations = self.at_version(version)
             items = tuple(MaterializationSnapshot.from_record(m) for m in materializations)
+            if len(self.snapshots) >= SNAPSHOTS_CACHED:  # the oldest out: a placement's
+                del self.snapshots[next(iter(self.snapshots))]  # evidence names a recent one
             self.snapshots[version] = items
         return items
 
@@ -101,7 +104,6 @@ class SandboxState:
     generation: int = 1
     assignments: dict[int, dict[str, Any]] = field(default_factory=dict)
     tokens: set[str] = field(default_factory=set)
-    fenced_at: dict[int, int] = field(default_factory=dict)
     pinned: Requirements | None = None  # Requirements.from_record(requirements), cached
 
 
@@ -159,6 +161,8 @@ class FoldState:
         self._stream: Stream | None = None  # the current event's
         self._names: dict[type[Any], tuple[str, str]] = {}
         self.pending: Pending | None = None
+        self.compact = False  # see AuditFold
+        self._capacities: dict[tuple[Any, ...], dict[str, int]] = {}  # compact records'
         self.position = 0
         self.events = 0
 

@@ -155,7 +155,7 @@ def _checked_fold(
     if checkpoint is not None:
         verifier.expect(checkpoint)
     snapshots = SnapshotCheck(app)
-    audit = AuditFold()
+    audit = AuditFold(compact=True)
     decode = EventDecoder(app.mapper)
     stop = until if isinstance(until, int) else None
     after_time = until if isinstance(until, datetime) else None
@@ -169,6 +169,7 @@ def _checked_fold(
         )
         for page in pages:
             links = select_links(recorder, last, page[-1].id) if chained else []
+            snapshots.page(last, page[-1].id)
             index = 0
             for notification in page:
                 position = notification.id

@@ -109,3 +109,112 @@ def stored_snapshots(
         )
         for r in rows
     ]
+
+
+# -- the snapshots read a chunk at a time (``audit verify`` streams the log) -------------
+#
+# ``stored_snapshots`` reads every snapshot with its state at once: a runner snapshotted
+# every tenth event with R live reservations stores O(R) bytes each time, so the table
+# grows faster than the log. The audit reads instead the snapshots' keys once (a few
+# numbers each, :func:`snapshot_index`), then the states of those taken at each page's
+# events, a chunk at a time (:func:`snapshot_rows`). The states are fetched by key: on
+# SQLite the snapshots table is WITHOUT ROWID, whose B-tree holds whole rows, so a join
+# driven by the events' positions would read a snapshot at every probe.
+
+SnapshotKey = tuple[UUID, int, int | None, int]
+"""(originator id, version, position of the event at its version or None, state bytes)"""
+SnapshotRow = tuple[StoredEvent, bytes | None, bytes | None]
+"""(the stored snapshot, its seal, the chain digest at its version)"""
+
+
+def snapshot_index(recorder: object) -> list[SnapshotKey]:
+    """Every snapshot's key, by stream and version (no state)."""
+    if isinstance(recorder, SealedSQLiteSnapshots):
+        with recorder.datastore.transaction(commit=False) as c:
+            c.execute(
+                "SELECT s.originator_id, s.originator_version, e.rowid, length(s.state) "
+                f"FROM {recorder.events_table_name} s "
+                f"LEFT JOIN {recorder.chained_events_table} e "
+                "ON e.originator_id = s.originator_id "
+                "AND e.originator_version = s.originator_version "
+                "ORDER BY s.originator_id, s.originator_version"
+            )
+            return [(UUID(r[0]), r[1], r[2], r[3] or 0) for r in c.fetchall()]
+    if isinstance(recorder, SealedPostgresSnapshots):
+        query = SQL(
+            "SELECT s.originator_id, s.originator_version, e.notification_id, "
+            "octet_length(s.state) FROM {schema}.{snapshots} s LEFT JOIN {schema}.{events} e "
+            "ON e.originator_id = s.originator_id AND e.originator_version = s.originator_version "
+            "ORDER BY s.originator_id, s.originator_version"
+        ).format(**recorder.table_names())
+        with (
+            recorder.datastore.get_connection() as conn,
+            conn.cursor(row_factory=tuple_row, binary=True) as curs,
+        ):
+            curs.execute(query)
+            return [(r[0], r[1], r[2], r[3] or 0) for r in curs.fetchall()]
+    return []
+
+
+def snapshot_rows(
+    recorder: object, keys: list[tuple[UUID, int]]
+) -> dict[tuple[UUID, int], SnapshotRow]:
+    """The snapshots of ``keys`` (stream, version), each with its seal and the chain
+    digest at its version."""
+    found: list[Any] = []
+    if not keys:
+        return {}
+    if isinstance(recorder, SealedSQLiteSnapshots):
+        for spelled in (lambda u: u.hex, str):  # as the recorder writes it, or dashed
+            found += _sqlite_snapshot_rows(recorder, [(spelled(k[0]), k[1]) for k in keys])
+            got = {(r[0], r[1]) for r in found}
+            keys = [k for k in keys if k not in got]
+            if not keys:
+                break
+    elif isinstance(recorder, SealedPostgresSnapshots):
+        query = SQL(
+            "SELECT s.originator_id, s.originator_version, s.topic, s.state, g.seal, c.digest "
+            "FROM {schema}.{snapshots} s LEFT JOIN {schema}.{seals} g "
+            "ON g.originator_id = s.originator_id AND g.originator_version = s.originator_version "
+            "LEFT JOIN {schema}.{events} e ON e.originator_id = s.originator_id "
+            "AND e.originator_version = s.originator_version "
+            "LEFT JOIN {schema}.{chain} c ON c.position = e.notification_id "
+            "WHERE (s.originator_id, s.originator_version) IN "
+            "(SELECT * FROM unnest(%s::uuid[], %s::bigint[]))"
+        ).format(**recorder.table_names())
+        with (
+            recorder.datastore.get_connection() as conn,
+            conn.cursor(row_factory=tuple_row, binary=True) as curs,
+        ):
+            curs.execute(query, ([k[0] for k in keys], [k[1] for k in keys]))
+            found = curs.fetchall()
+    return {
+        (r[0], r[1]): (
+            StoredEvent(r[0], r[1], r[2], bytes(r[3])),
+            None if r[4] is None else bytes(r[4]),
+            None if r[5] is None else bytes(r[5]),
+        )
+        for r in found
+    }
+
+
+def _sqlite_snapshot_rows(
+    recorder: SealedSQLiteSnapshots, keys: list[tuple[str, int]]
+) -> list[Any]:
+    events, chain = recorder.chained_events_table, chain_table(recorder.chained_events_table)
+    values = ",".join("(?, ?)" for _ in keys)
+    with recorder.datastore.transaction(commit=False) as c:
+        c.execute(
+            f"WITH k(id, version) AS (VALUES {values}) "
+            "SELECT s.originator_id, s.originator_version, s.topic, s.state, g.seal, "
+            f"c.digest FROM k CROSS JOIN {recorder.events_table_name} s "
+            "ON s.originator_id = k.id AND s.originator_version = k.version "
+            f"LEFT JOIN {seal_table(recorder.events_table_name)} g "
+            "ON g.originator_id = s.originator_id "
+            "AND g.originator_version = s.originator_version "
+            f"LEFT JOIN {events} e ON e.originator_id = s.originator_id "
+            "AND e.originator_version = s.originator_version "
+            f"LEFT JOIN {chain} c ON c.position = e.rowid",
+            [v for key in keys for v in key],
+        )
+        return [(UUID(r[0]), *r[1:]) for r in c.fetchall()]

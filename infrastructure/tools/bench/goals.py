@@ -19,6 +19,8 @@ MOONSHOT_VERSUS_ROW_LOCK = 1.0
 GOAL_BATCHED_CONTENTION = 0.5  # contended batched goodput over uncontended batched
 GOAL_BATCHED_P99_MS = 50.0
 GOAL_WHATIF = 0.5  # x the audit verify rate, on the same history
+GOAL_AUDIT_MEMORY = 2.0  # audit verify peak memory, longest steady log over shortest
+GOAL_AUDIT_RESERVATIONS = 10_000.0  # audit verify events/s, one runner, 6,000 reservations
 
 
 def _goal(target: str, value: float | None, met: bool | None, detail: str) -> dict[str, Any]:
@@ -226,4 +228,30 @@ def evaluate_goals(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
         )
     else:
         goals["whatif_replay"] = _skipped(target)
+
+    scale = report.get("audit_scale")
+    target = f"audit verify peak memory, longest log over shortest <= {GOAL_AUDIT_MEMORY}"
+    if scale:
+        first, last = scale["steady"][0], scale["steady"][-1]
+        goals["audit_memory"] = _goal(
+            target,
+            scale["memory_ratio"],
+            scale["memory_ratio"] <= GOAL_AUDIT_MEMORY,
+            f"{last['events']:,} events {last['peak_rss_mb']:,.0f} MB vs {first['events']:,} "
+            f"events {first['peak_rss_mb']:,.0f} MB",
+        )
+    else:
+        goals["audit_memory"] = _skipped(target)
+    target = f"audit verify >= {GOAL_AUDIT_RESERVATIONS:,.0f} events/s on one busy runner"
+    if scale:
+        one = scale["one_runner"]
+        goals["audit_reservations"] = _goal(
+            target,
+            one["events_per_second"],
+            one["events_per_second"] >= GOAL_AUDIT_RESERVATIONS and one["violations"] == 0,
+            f"{one['reservations']:,} live reservations on one runner: {one['events']:,} "
+            f"events at {one['events_per_second']:,.0f}/s, {one['peak_rss_mb']:,.0f} MB",
+        )
+    else:
+        goals["audit_reservations"] = _skipped(target)
     return goals

@@ -12,6 +12,7 @@ from typing import Any
 
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.settings import CHAIN, DATABASE_URL
+from secondbox_scheduler.infrastructure.tools.bench.audit_scale import measure_audit_scale
 from secondbox_scheduler.infrastructure.tools.bench.database import (
     bench_database,
     machine_info,
@@ -128,6 +129,8 @@ def run_bench(
             app.close()
         if "history" in wanted:
             report["history"] = measure_history_section(env, settings, progress)
+        if "audit" in wanted:
+            report["audit_scale"] = measure_audit_scale(settings, progress)
     report["goals"] = evaluate_goals(report)
     report["wall_seconds"] = round(time.perf_counter() - started, 1)
     return report

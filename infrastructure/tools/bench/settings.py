@@ -17,6 +17,7 @@ SECTIONS = (
     "selection",
     "history",
     "replay",
+    "audit",
 )
 
 Progress = Callable[[str], None]
@@ -52,6 +53,10 @@ class BenchSettings:
     history_sizes: tuple[int, ...] = (10, 1_000, 100_000)
     history_repeat: int = 15
     generation_sizes: tuple[int, ...] = (100, 1_000, 10_000)
+    # audit verify: a steady fleet's log at these lengths (peak memory), and one runner
+    # with this many live reservations (events/s)
+    audit_sizes: tuple[int, ...] = (100_000, 1_000_000)
+    audit_reservations: int = 6_000
     sections: tuple[str, ...] = SECTIONS
     # the hash chain over the stored events (SECONDBOX_CHAIN); off only to measure its cost
     chain: bool = True
@@ -87,6 +92,8 @@ class BenchSettings:
                 history_sizes=(10, 1_000, 10_000),
                 history_repeat=7,
                 generation_sizes=(20, 100, 400),
+                audit_sizes=(2_000, 10_000),
+                audit_reservations=300,
                 sections=sections,
                 chain=chain,
             )
