@@ -13,6 +13,7 @@ parses, exit code 0; HTTP 200 or a typed 404), never an internal error. ``audit 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import psycopg
 import pytest
@@ -28,7 +30,10 @@ from typer.testing import CliRunner
 from secondbox_scheduler.domain.ids import refusal_log_uuid, runner_uuid, sandbox_uuid
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit.log_fold import log_events
+from secondbox_scheduler.infrastructure.cli import audit as audit_commands
 from secondbox_scheduler.infrastructure.cli import cli
+from secondbox_scheduler.infrastructure.cli import inspection as inspection_commands
+from secondbox_scheduler.infrastructure.cli.common import open_store
 from secondbox_scheduler.infrastructure.http import create_app
 from secondbox_scheduler.infrastructure.tools.simulation import SimulationConfig, run_simulation
 from tests.fixtures.make_history_0_1 import LATER, Clock, corner_events
@@ -43,6 +48,9 @@ RATES = {
     "raw_read_events_per_second",
     "ratio_to_raw_read",
 }
+# events followed, in the same transaction, by another (docs/audit.md, invariant-2)
+TRANSACTIONS = ("Sandbox.AssignmentFenced", "Runner.CapacityReserved", "Sandbox.AssignmentReleased")
+DOCUMENTED_CUT = datetime(2026, 1, 5, 9, 5, tzinfo=UTC)  # docs/audit.md's example
 NOT_FOUND = {"sandbox_not_found", "runner_not_found", "assignment_not_found"}
 
 
@@ -59,7 +67,10 @@ class History:
     refused_schedules: list[str] = field(default_factory=list)
     never_created: list[str] = field(default_factory=list)  # refusals only
     deregistered: list[str] = field(default_factory=list)
+    inside: dict[str, int] = field(default_factory=dict)  # a position inside a transaction
     stamps: list[tuple[int, datetime]] = field(default_factory=list)  # log order
+    # the store opened once for the commands, as they open it: with and without read models
+    opened: dict[bool, SchedulerApplication] = field(default_factory=dict)
 
     def open(self) -> SchedulerApplication:
         return SchedulerApplication(env={"SECONDBOX_DATABASE_URL": self.url})
@@ -87,6 +98,8 @@ def _read_history(history: History, app: SchedulerApplication) -> None:
         history.stamps.append((position, event.timestamp))
         name = type(event).__qualname__
         generation = None
+        if name in TRANSACTIONS:  # the first of each: its transaction goes on past it
+            history.inside.setdefault(name, position)
         if name in ("Sandbox.Created", "RefusalLog.Opened"):
             sandboxes.add(event.sandbox_id)
             owners[sandbox_uuid(event.sandbox_id)] = event.sandbox_id
@@ -131,30 +144,48 @@ def history(
         with psycopg.connect(server.conninfo(), autocommit=True) as conn:
             conn.execute(f'CREATE SCHEMA "{schema}"')
         url = server.url(schema)
+    found = History(request.param, url)
     try:
-        run_simulation(SimulationConfig(database_url=url, runners=9, sandboxes=20, cycles=2))
+        run_simulation(SimulationConfig(database_url=url, runners=6, sandboxes=12, cycles=2))
         clock = Clock(LATER)
         app = SchedulerApplication(env={"SECONDBOX_DATABASE_URL": url}, now=clock)
         try:
             corner_events(app, clock)
-            found = History(request.param, url)
             _read_history(found, app)
         finally:
             app.close()
+        for read_models in (True, False):
+            shared = open_store(url, read_models=read_models)
+            found.opened[read_models] = shared
+            shared.close = lambda: None  # type: ignore[method-assign]  # the commands close it
         yield found
     finally:
+        for shared in found.opened.values():
+            SchedulerApplication.close(shared)
         if server is not None and schema is not None:
             with psycopg.connect(server.conninfo(), autocommit=True) as conn:
                 conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
-def invoke(history: History, *args: str, as_json: bool = True, absent: bool = False) -> Any:
-    """A read command on the history's store: exit code 0, and its JSON parsed.
+def invoke(
+    history: History, *args: str, as_json: bool = True, absent: bool = False, reopen: bool = False
+) -> Any:
+    """A read command on the history's store: exit code 0, and its JSON parsed. The
+    command reads the store the fixture opened for it, as the command opens it (opening
+    is what costs, and is tested in test_cli.py); ``reopen``: it opens the store itself.
     ``absent``: the subject may not exist (a sandbox whose creation was refused, a
     deregistered runner), answered as the HTTP API answers a typed 404: exit code 2 and
     one line ``error: ... not found`` (None is returned)."""
     extra = ["--json"] if as_json else []
-    result = RUNNER.invoke(cli, [*args, "--database-url", history.url, *extra])
+
+    def shared(_url: str, *, must_exist: bool = True, read_models: bool = True) -> Any:
+        return history.opened[read_models]
+
+    with contextlib.ExitStack() as stack:
+        if not reopen:
+            for module in (audit_commands, inspection_commands):
+                stack.enter_context(mock.patch.object(module, "open_store", shared))
+        result = RUNNER.invoke(cli, [*args, "--database-url", history.url, *extra])
     assert "unexpected" not in result.output, (args, result.output)
     if absent and result.exit_code == 2:
         assert result.output.startswith("error:"), (args, result.output)
@@ -183,7 +214,7 @@ def test_timeline_of_a_sandbox_with_a_refused_schedule(history: History) -> None
     """Defect: a refused schedule records ``requirements=None``; the timeline's field
     summary subscripted it (TypeError, ``audit timeline`` exit 2, HTTP 500)."""
     for sandbox_id in history.refused_schedules:
-        entries = invoke(history, "audit", "timeline", "--sandbox", sandbox_id)
+        entries = invoke(history, "audit", "timeline", "--sandbox", sandbox_id, reopen=True)
         refusals = [e for e in entries if e["event"] == "RefusalLog.Refused"]
         assert refusals, sandbox_id
         text = invoke(history, "audit", "timeline", "--sandbox", sandbox_id, as_json=False)
@@ -207,7 +238,7 @@ def _cuts(history: History) -> list[datetime]:
         stamps[0] - timedelta(seconds=1),  # before the first event: nothing
         *chosen,  # at an event's own time (later events of the same time included)
         *(moment + timedelta(seconds=2.5) for moment in chosen[::2]),  # between events
-        datetime(2026, 1, 5, 9, 5, tzinfo=UTC),  # the documented cut
+        DOCUMENTED_CUT,
         LATER + timedelta(seconds=30),  # inside the corner events
         stamps[-1] + timedelta(days=1),  # after the last event: everything
     ]
@@ -220,8 +251,9 @@ def test_verify_until_a_time_equals_the_position_cut(history: History) -> None:
         position = history.position_of(moment)
         if position == 0:
             continue  # no position cut reads nothing; the time cut is checked below
-        by_time = invoke(history, "audit", "verify", "--until", moment.isoformat())
-        by_position = invoke(history, "audit", "verify", "--until", str(position))
+        reopen = moment == DOCUMENTED_CUT  # once as the command runs alone
+        by_time = invoke(history, "audit", "verify", "--until", moment.isoformat(), reopen=reopen)
+        by_position = invoke(history, "audit", "verify", "--until", str(position), reopen=reopen)
         assert without_rates(by_time) == without_rates(by_position), moment
         assert by_time["ok"], (moment, by_time["violations"][:3])
         assert by_time["position"] == position, moment
@@ -233,6 +265,17 @@ def test_verify_until_a_time_equals_the_position_cut(history: History) -> None:
     for position in (1, len(history.stamps) // 3, len(history.stamps)):
         report = invoke(history, "audit", "verify", "--until", str(position))
         assert report["ok"], report["violations"][:3]
+        assert report["position"] == position
+
+
+def test_verify_until_a_position_inside_a_transaction(history: History) -> None:
+    """Found by the test above: a cut by position between an assignment's fence and its
+    reservation (or a release and its capacity's) reported that transaction unpaired
+    ("no matching CapacityReserved before the end of the log") on a clean log."""
+    assert set(history.inside) == set(TRANSACTIONS)
+    for name, position in sorted(history.inside.items()):
+        report = invoke(history, "audit", "verify", "--until", str(position))
+        assert report["ok"], (name, report["violations"])
         assert report["position"] == position
 
 
