@@ -69,6 +69,7 @@ class History:
     deregistered: list[str] = field(default_factory=list)
     inside: dict[str, int] = field(default_factory=dict)  # a position inside a transaction
     stamps: list[tuple[int, datetime]] = field(default_factory=list)  # log order
+    kinds: set[str] = field(default_factory=set)  # the event classes in the log
     # the store opened once for the commands, as they open it: with and without read models
     opened: dict[bool, SchedulerApplication] = field(default_factory=dict)
 
@@ -97,6 +98,7 @@ def _read_history(history: History, app: SchedulerApplication) -> None:
     for position, event in log_events(app, None):
         history.stamps.append((position, event.timestamp))
         name = type(event).__qualname__
+        history.kinds.add(name)
         generation = None
         if name in TRANSACTIONS:  # the first of each: its transaction goes on past it
             history.inside.setdefault(name, position)
@@ -201,7 +203,14 @@ def without_rates(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_the_history_holds_what_the_reads_must_survive(history: History) -> None:
-    """Refused schedules and creations, a deregistered runner, many generations."""
+    """Refused schedules and creations, drains, failures, uncertain runners, releases,
+    generation advances, a deregistered runner, many generations, snapshots."""
+    assert {
+        "RefusalLog.Refused", "Runner.DrainStarted", "Runner.DrainCancelled",
+        "Sandbox.AssignmentFailed", "Sandbox.AssignmentUncertain", "Sandbox.AssignmentReleased",
+        "Runner.CapacityReleased", "Sandbox.GenerationAdvanced", "Sandbox.ReconcileClaimed",
+        "Sandbox.ReconcileClaimReleased", "Runner.AllocatableChanged", "Runner.Deregistered",
+    } <= history.kinds  # fmt: skip
     assert len(history.refused_schedules) >= 2
     assert "corner-refused" in history.never_created  # a creation refused: refusals only
     assert history.deregistered  # the fixture's corner runner that left
