@@ -123,11 +123,16 @@ class AuditFold(RunnerChecks, SandboxChecks):
             return []
         return self.violations[found_before:]
 
-    def finish(self) -> list[Violation]:
-        """At the end of the log: an unpaired part of a transaction is a violation too."""
+    def finish(self, after: Any = None) -> list[Violation]:
+        """At the end of the log: an unpaired part of a transaction is a violation too.
+        At a cut (``--until``), ``after`` is the event just past it: a cut may fall
+        inside a transaction, whose other part is then that event."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
-            self._unpaired(pending, "before the end of the log")
+            if after is None:
+                self._unpaired(pending, "before the end of the log")
+            elif not self._completes(pending, after):
+                self._unpaired(pending, "in the same transaction")
         return self.violations
 
     def _unpaired(self, pending: Pending, where: str) -> None:

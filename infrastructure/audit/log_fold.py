@@ -65,6 +65,18 @@ def log_events(app: SchedulerApplication, until: Until) -> Iterator[tuple[int, A
             yield notification.id, event
 
 
+def event_after(app: SchedulerApplication, position: int) -> Any | None:
+    """The event just past ``position`` (None at the end of the log, or unreadable): the
+    rest of a transaction that a cut at ``position`` splits (``AuditFold.finish``)."""
+    page = app.recorder.select_notifications(start=position + 1, limit=1)
+    if not page:
+        return None
+    try:
+        return EventDecoder(app.mapper)(page[0])
+    except Exception:  # unreadable: verify names it when it reads that far
+        return None
+
+
 def fold(
     app: SchedulerApplication, until: Until = None, progress: Callable[[int], None] = lambda _: None
 ) -> AuditFold:

@@ -93,10 +93,14 @@ def _fields(event: Any) -> dict[str, Any]:
             Unlisted.from_record(decision.get("unlisted")),
         )
     if "requirements" in fields:
+        # Sandbox.Created always holds them; RefusalLog.Refused only for create_sandbox
+        # (None for schedule, absent before: docs/events.md 7.3)
         wanted = fields.pop("requirements")
-        fields["requirements"] = {
-            k: wanted[k] for k in ("pool_name", "architecture", "capacity", "egress_context")
-        }
+        if wanted is not None:
+            fields["requirements"] = {
+                k: wanted.get(k)
+                for k in ("pool_name", "architecture", "capacity", "egress_context")
+            }
     if "candidates" in fields:
         fields["candidates"] = len(fields["candidates"])
     if fields.get("unlisted") is None:

@@ -31,6 +31,7 @@ from secondbox_scheduler.infrastructure.audit.log_fold import (
     PAGE,
     READ_PAGE,
     Until,
+    event_after,
     printable_text,
 )
 from secondbox_scheduler.infrastructure.audit.snapshot_check import SnapshotCheck
@@ -228,11 +229,14 @@ def _checked_fold(
             for link in select_links(recorder, last, stop):
                 verifier.feed(None, link)  # links after the last event: events deleted
         try:
-            audit.finish()
+            # a cut may fall inside a transaction: the event past it may complete it
+            past = event if finished else None if stop is None else event_after(app, last)
+            audit.finish(past)
         except Exception as error:  # pragma: no cover - a tampered history
             violations.append(Violation(last, "-", "-", "unfoldable", str(error)))
     violations.extend(outside_log(recorder, read, last))  # the streams hold no other event
-    snapshots.finish(None if finished else stop, max(last, verifier.last_position))
+    # a cut by time is the cut by position at the last event read (snapshots past it wait)
+    snapshots.finish(last if finished else stop, max(last, verifier.last_position))
     if chained and checkpoint is not None:
         verifier.check(checkpoint)
     elif checkpoint is not None:
