@@ -48,7 +48,6 @@ from secondbox_scheduler.domain.values import (
 )
 from secondbox_scheduler.projections.runner_snapshots import RunnerSnapshotsView, row_to_snapshot
 from secondbox_scheduler.projections.sql_view import time_text
-from secondbox_scheduler.projections.unmatched import unmatched_refusal
 
 DIMENSIONS = Capacity.DIMENSIONS
 FIRST_PAGE = 16  # candidates fetched first; each next page doubles
@@ -64,14 +63,9 @@ def home_candidates(
 
     The pool's runners that pass the SQL prefilter, best first by an upper bound of the
     ranking key, a page at a time until the page's last bound ranks below the best
-    compatible runner found (or the rows run out). First, a requirement that no runner
-    of the pool can meet refuses without reading the pool (:mod:`.unmatched`). A
-    lagging read model can only make the home choice worse, never unsafe: ``schedule``
-    decides against the aggregates.
+    compatible runner found (or the rows run out). A lagging read model can only make
+    the home choice worse, never unsafe: ``schedule`` decides against the aggregates.
     """
-    refused = unmatched_refusal(view, requirements)
-    if refused is not None:  # no runner of the pool can match: nothing to read
-        return [], refused
     stale_before = now - heartbeat_timeout
     counts, page = first_candidates(view, requirements, stale_before, FIRST_PAGE)
     candidates: list[RunnerSnapshot] = []

@@ -2,9 +2,7 @@
 
 Fed by the Runner stream (registration, reservations, drain, allocatable,
 deregistration) and the RunnerLease stream (heartbeats and evidence). Indexed by
-(pool_name, architecture), which is how ``create_sandbox`` asks for candidates, and on
-PostgreSQL by the JSON lists of capabilities, egress contexts and materializations as
-jsonb (GIN), which is how it finds a requirement no runner of the pool can meet. Every
+(pool_name, architecture), which is how ``create_sandbox`` asks for candidates. Every
 other event class is ignored with a reason (``IGNORED``); an event of an unknown class
 is counted (:mod:`projections.unknown_events`).
 """
@@ -43,15 +41,12 @@ ALLOCATABLE = [f"allocatable_{dim}" for dim in DIMENSIONS]
 RESERVED = [f"reserved_{dim}" for dim in DIMENSIONS]
 _ALLOCATABLE_OF = tuple(zip(ALLOCATABLE, DIMENSIONS, strict=True))
 _RESERVED_OF = tuple(zip(RESERVED, DIMENSIONS, strict=True))
-# JSON list columns that PostgreSQL indexes (GIN) for exact membership tests
-JSON_SETS = ("capabilities", "materializations", "supported_egress_contexts")
-POOL_SAMPLE = 64  # rows of a pool tested before a GIN lookup (PostgreSQL)
 
 
 class RunnerSnapshotsView(SqlView):
     projection_name = "runner_snapshots"
     table = "runner_snapshots"
-    ddl: ClassVar[tuple[str, ...]] = (
+    ddl = (
         "CREATE TABLE IF NOT EXISTS {table} ("
         "runner_id TEXT PRIMARY KEY, stream_id TEXT NOT NULL UNIQUE, "
         "lease_id TEXT NOT NULL UNIQUE, pool_name TEXT NOT NULL, "
@@ -93,34 +88,6 @@ class RunnerSnapshotsView(SqlView):
     id_order: ClassVar[str] = "runner_id"  # ordered like Python's str (code points)
     contains: ClassVar[str] = "INSTR({column}, %s) > 0"  # case-sensitive substring test
 
-    # Dialect of the lookups of projections/unmatched.py: whether a registered runner of
-    # a pool has a value in a JSON list, parsed (exact), not as a substring. SQLite reads
-    # the pool's rows (json_each); PostgreSQL probes a GIN index of the list as jsonb.
-    def pool_has_name(self, pool_name: str, column: str, name: str) -> tuple[str, list[Any]]:
-        """True when a runner of the pool has ``name`` in the JSON list ``column``."""
-        return self._pool_has(
-            pool_name, f"EXISTS (SELECT 1 FROM json_each({column}) WHERE value = %s)", [name]
-        )
-
-    def pool_has_materialization_of(
-        self, pool_name: str, runtime: str, toolchain: str
-    ) -> tuple[str, list[Any]]:
-        """True when a runner of the pool has a materialization of those digests."""
-        return self._pool_has(
-            pool_name,
-            "EXISTS (SELECT 1 FROM json_each(materializations) "
-            "WHERE json_extract(value, '$.runtime_digest') = %s "
-            "AND json_extract(value, '$.toolchain_digest') = %s)",
-            [runtime, toolchain],
-        )
-
-    def _pool_has(self, pool_name: str, condition: str, params: list[Any]) -> tuple[str, list[Any]]:
-        return (
-            "EXISTS (SELECT 1 FROM {table} WHERE pool_name = %s AND deregistered = 0 "
-            f"AND {condition})",
-            [pool_name, *params],
-        )
-
     def snapshot(self, runner_id: str) -> RunnerSnapshot | None:
         rows = self.query(
             "SELECT * FROM {table} WHERE runner_id = %s AND deregistered = 0", [runner_id]
@@ -136,43 +103,8 @@ class SQLiteRunnerSnapshotsView(RunnerSnapshotsView, SQLiteSqlView):
 
 
 class PostgresRunnerSnapshotsView(RunnerSnapshotsView, PostgresSqlView):
-    # GIN indexes of the JSON lists as jsonb, so that a name or a materialization no
-    # runner of the pool has is found absent without reading the pool (unmatched.py)
-    ddl: ClassVar[tuple[str, ...]] = (
-        *RunnerSnapshotsView.ddl,
-        *(
-            f"CREATE INDEX IF NOT EXISTS runner_snapshots_{column}_gin "
-            f"ON {{table}} USING GIN (({column}::jsonb) jsonb_path_ops)"
-            for column in JSON_SETS
-        ),
-    )
     id_order = 'runner_id COLLATE "C"'  # byte order of UTF-8 = Python's str order
     contains = "STRPOS({column}, %s) > 0"
-
-    def pool_has_name(self, pool_name: str, column: str, name: str) -> tuple[str, list[Any]]:
-        return self._pool_has(pool_name, f"{column}::jsonb @> %s::jsonb", [to_json([name])])
-
-    def pool_has_materialization_of(
-        self, pool_name: str, runtime: str, toolchain: str
-    ) -> tuple[str, list[Any]]:
-        item = {"runtime_digest": runtime, "toolchain_digest": toolchain}
-        return self._pool_has(pool_name, "materializations::jsonb @> %s::jsonb", [to_json([item])])
-
-    def _pool_has(self, pool_name: str, condition: str, params: list[Any]) -> tuple[str, list[Any]]:
-        # First the pool's first rows (a value most runners have is found there, where a
-        # GIN lookup would list them all: 10 ms per common capability on 50,000 rows);
-        # then the containment alone in a subquery (OFFSET 0: not merged with the pool's
-        # conditions), so that the planner cannot read the pool through its btree index
-        # and test every row's list, which it did without statistics
-        # (tests/test_query_plans.py). PostgreSQL runs the second only if the first fails.
-        return (
-            "(EXISTS (SELECT 1 FROM (SELECT * FROM {table} WHERE pool_name = %s "
-            f"AND deregistered = 0 LIMIT {POOL_SAMPLE}) AS first WHERE {condition}) "
-            "OR EXISTS (SELECT 1 FROM (SELECT pool_name, deregistered FROM {table} "
-            f"WHERE {condition} OFFSET 0) AS found "
-            "WHERE pool_name = %s AND deregistered = 0))",
-            [pool_name, *params, *params, pool_name],
-        )
 
 
 def row_to_snapshot(row: dict[str, Any]) -> RunnerSnapshot:

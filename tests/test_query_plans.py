@@ -23,19 +23,12 @@ import psycopg
 import pytest
 from psycopg.sql import SQL, Composed, Identifier
 
-from secondbox_scheduler.domain.values import Requirements
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.store.chain_tables import chain_table
 from secondbox_scheduler.infrastructure.store.fast_forward import select_after_statement
 from secondbox_scheduler.infrastructure.store.postgres_chain_sql import chain_digests_statement
 from secondbox_scheduler.infrastructure.store.sealed_postgres import SealedPostgresSnapshots
 from secondbox_scheduler.projections.event_log import last_versions_statement
-from secondbox_scheduler.projections.runner_snapshots import POOL_SAMPLE
-from secondbox_scheduler.projections.unmatched import (
-    lookup_statement,
-    pool_checks,
-    unmatched_refusal,
-)
 from tests.conftest import PostgresSchema
 
 EVENTS = "schedulerapplication_events"
@@ -176,67 +169,5 @@ def test_the_latest_snapshot_of_a_long_history_is_read_alone_with_statistics(
                 ).fetchone()
                 assert row is not None
                 assert _rows_read(row[0][0]["Plan"], SNAPSHOTS) <= 1
-    finally:
-        app.close()
-
-
-RUNNERS = 20_000  # one pool's runner snapshots
-NOBODY = "sha256:no-runner-has"
-
-
-@pytest.mark.parametrize("analysed", [False, True])
-@pytest.mark.parametrize(
-    ("overrides", "index"),
-    [
-        ({"preferred_artifact_digests": ("sha256:r", NOBODY)}, "materializations"),
-        ({"required_capabilities": frozenset({"gpu"})}, "capabilities"),
-    ],
-)
-def test_a_requirement_no_runner_has_is_found_absent_through_a_gin_index(
-    postgres_schema: PostgresSchema, analysed: bool, overrides: dict[str, Any], index: str
-) -> None:
-    """20,000 runners, every one with the prerequisites and a materialization of
-    ``sha256:r``/``sha256:t``: the lookups of ``projections/unmatched.py`` find the
-    toolchain (or capability) asked for absent by its GIN index after the pool's first
-    64 rows, with or without statistics (without, the planner read the whole pool
-    through its btree index until the containment was fenced off); so create_sandbox
-    refuses without paging through the pool."""
-    app = SchedulerApplication(env=postgres_schema.env())
-    try:
-        assert app.read_models is not None
-        view = app.read_models.runners
-        table = SQL(view._format("{table}"))
-        capabilities = '["cleanup","compute","local-workspace","network-policy","storage"]'
-        materializations = (
-            '[{"architecture":"x86_64","backend_kind":"firecracker","digest":"sha256:m",'
-            '"runtime_digest":"sha256:r","toolchain_digest":"sha256:t"}]'
-        )
-        with psycopg.connect(postgres_schema.server.conninfo(), autocommit=True) as conn:
-            conn.execute(SQL("ALTER TABLE {} SET (autovacuum_enabled = off)").format(table))
-            conn.execute(
-                SQL(
-                    "INSERT INTO {} SELECT 'r-' || n, md5(n::text), md5('l' || n), 'big', "
-                    "'firecracker', 'x86_64', %s, 64, 64, 64, 64, 64, 0, 0, 0, 0, 0, 'active', "
-                    "'2030-01-01T00:00:00.000000Z', '[]', %s, '[\"default\"]', 1, 3, 0, 1, 1 "
-                    "FROM generate_series(1, %s) AS n"
-                ).format(table),
-                (capabilities, materializations, RUNNERS),
-            )
-            if analysed:
-                conn.execute(SQL("ANALYZE {}").format(table))
-            requirements = Requirements(
-                pool_name="big", architecture="x86_64", guest_protocol_generation=2, **overrides
-            )
-            checks = pool_checks(view, requirements)
-            statement, params = lookup_statement(checks)
-            row = conn.execute(
-                SQL("EXPLAIN (ANALYZE, FORMAT JSON) ") + SQL(view._format(statement)), params
-            ).fetchone()
-            assert row is not None
-            plan = row[0][0]["Plan"]
-            assert f'"runner_snapshots_{index}_gin"' in json.dumps(plan)
-            # the pool's first rows, then the index: never the pool's 20,000 rows
-            assert _rows_read(plan, "runner_snapshots") <= POOL_SAMPLE * len(checks)
-            assert unmatched_refusal(view, requirements) is not None
     finally:
         app.close()

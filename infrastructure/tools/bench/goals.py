@@ -8,7 +8,6 @@ from typing import Any
 GOAL_PLACEMENT = 0.5
 GOAL_CONTENTION = 0.3
 GOAL_SELECTION = 3.0
-GOAL_UNMATCHED_MS = 100.0  # create_sandbox refused on 50,000 runners (no runner matches)
 GOAL_FLAT_SNAPSHOT = 1.1  # a snapshot may grow by the digits of larger numbers only
 GOAL_HISTORY = 2.0
 GOAL_REPLAY = 0.5
@@ -150,19 +149,6 @@ def evaluate_goals(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
         )
     else:
         goals["selection_scaling"] = _skipped(target)
-
-    unmatched = (selection or {}).get("unmatched")
-    target = f"create_sandbox with no runner matching on 50,000 runners <= {GOAL_UNMATCHED_MS:g} ms"
-    if unmatched:
-        goals["create_unmatched_50k"] = _goal(
-            target,
-            unmatched["create_sandbox_ms"],
-            unmatched["create_sandbox_ms"] <= GOAL_UNMATCHED_MS,
-            f"{unmatched['runners']:,} runners, a toolchain none has: "
-            f"{unmatched['create_sandbox_ms']:.1f} ms ({unmatched['error']})",
-        )
-    else:
-        goals["create_unmatched_50k"] = _skipped(target)
 
     history = report.get("history")
     target = f"largest history load <= {GOAL_HISTORY} x smallest (cold and warm)"

@@ -171,12 +171,6 @@ def selection_table(report: dict[str, Any]) -> Table | None:
             _ratio(row.get("new_sandbox_ratio")),
             f"{row['new_sandboxes_per_second']:,.0f}",
         )
-    unmatched = selection.get("unmatched")
-    if unmatched:  # create_sandbox refused: a toolchain no runner has
-        table.add_row(
-            f"{unmatched['runners']:,}", "", "", _ms(unmatched["create_sandbox_ms"]),
-            "unmatched", "", "", "",
-        )  # fmt: skip
     return table
 
 

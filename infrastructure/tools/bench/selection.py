@@ -2,8 +2,7 @@
 in memory, ``SchedulerApplication.create_sandbox`` in the store, and the path of a new
 sandbox end to end (``create_sandbox`` then ``schedule``), over pools of growing size
 (median per call, ratio to the next smaller pool; new sandboxes placed per second by
-one caller); and ``create_sandbox`` refused on a large pool whose runners all lack the
-toolchain asked for (``unmatched``)."""
+one caller)."""
 
 from __future__ import annotations
 
@@ -11,13 +10,11 @@ import itertools
 import random
 from typing import Any
 
-from secondbox_scheduler.domain.errors import PlacementError
 from secondbox_scheduler.domain.placement.rules import select_runner
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.tools.bench.fleet import (
     HEARTBEAT_TIMEOUT,
     PROFILE,
-    RUNTIME,
     FleetRunner,
     bench_requirements,
     register_fleet,
@@ -104,50 +101,4 @@ def measure_selection(
             row["create_sandbox_ms"] / previous["create_sandbox_ms"], 2
         )
         row["new_sandbox_ratio"] = round(row["new_sandbox_ms"] / previous["new_sandbox_ms"], 2)
-    return {"rows": rows, "unmatched": measure_unmatched(app, settings, progress)}
-
-
-UNMATCHED_TOOLCHAIN = "sha256:bench-toolchain-no-runner-has"
-
-
-def measure_unmatched(
-    app: SchedulerApplication, settings: BenchSettings, progress: Progress
-) -> dict[str, Any]:
-    """``create_sandbox`` asking a toolchain no runner of a large mixed pool has: every
-    call is refused (median per call; registration, catch-up and one warm-up untimed)."""
-    size = settings.unmatched_runners
-    progress(f"selection: {size:,} runners, a toolchain none has")
-    pool_name = f"unmatched-{size}"
-    register_fleet(app, varied_fleet(pool_name, size, random.Random(settings.seed + 3)), now())
-    requirements = bench_requirements(pool_name).model_copy(
-        update={"preferred_artifact_digests": (RUNTIME, UNMATCHED_TOOLCHAIN)}
-    )
-    serial = itertools.count()
-    refusals: list[PlacementError] = []
-
-    def create() -> None:
-        sandbox_id = f"{pool_name}-sandbox-{next(serial)}"
-        try:
-            app.create_sandbox(
-                sandbox_id=sandbox_id,
-                workspace_id=f"ws-{sandbox_id}",
-                profile_revision_id=PROFILE,
-                requirements=requirements,
-                heartbeat_timeout=HEARTBEAT_TIMEOUT,
-            )
-        except PlacementError as error:
-            refusals.append(error)
-            return
-        raise AssertionError(f"{sandbox_id}: a runner was chosen for a toolchain none has")
-
-    create()  # warm-up (the read model catches up)
-    create_ms = median_ms(create, settings.unmatched_calls)
-    error = refusals[-1]
-    return {
-        "runners": size,
-        "create_sandbox_ms": round(create_ms, 3),
-        "create_sandbox_calls": settings.unmatched_calls,
-        "error": type(error).__name__,
-        "message": str(error),
-        "evaluations": len(error.evaluations),
-    }
+    return {"rows": rows}
