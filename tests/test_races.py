@@ -28,6 +28,7 @@ from secondbox_scheduler.domain.errors import (
     AssignmentNotFoundError,
     InvalidTransitionError,
 )
+from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.placing.batch import PlacementBatch
 from tests.conftest import Clock, Store
@@ -106,8 +107,18 @@ def test_a_release_that_lost_to_a_rival_answers_false(store: Store, clock: Clock
     assignment, _ = app.schedule(schedule_request("s1", clock()))
     fence = (assignment.generation, assignment.fencing_token)
     app.get_assignment("s1")
-    interleave(app, "_load_runner", lambda: rival.release("s1", *fence, {"exit": "0"}))
+    # the rival releases just before the release loads the runner (after the sandbox):
+    # ``_load_runner`` this hooked once, a name that no longer exists, so it never ran
+    load, fired = app.load, []
+
+    def load_runner_after_rival(aggregate_id: Any, kind: type[Any], **kwargs: Any) -> Any:
+        if kind is Runner and not fired:
+            fired.append(rival.release("s1", *fence, {"exit": "0"}))
+        return load(aggregate_id, kind, **kwargs)
+
+    app.load = load_runner_after_rival  # type: ignore[method-assign]
     assert app.release("s1", *fence, {"exit": "0"}) is False
+    assert fired == [True], "the rival's release ran between the two reads"
     assert rival.get_runner("hot").reserved == capacity(
         vcpu_count=0, memory_bytes=0, disk_bytes=0, instances=0, operations=0
     )
