@@ -108,8 +108,9 @@ def test_a_release_that_lost_to_a_rival_answers_false(store: Store, clock: Clock
     fence = (assignment.generation, assignment.fencing_token)
     app.get_assignment("s1")
     # the rival releases just before the release loads the runner (after the sandbox):
-    # ``_load_runner`` this hooked once, a name that no longer exists, so it never ran
-    load, fired = app.load, []
+    # this test hooked ``_load_runner`` once, a name that no longer exists: it failed
+    load = app.load
+    fired: list[bool] = []
 
     def load_runner_after_rival(aggregate_id: Any, kind: type[Any], **kwargs: Any) -> Any:
         if kind is Runner and not fired:
