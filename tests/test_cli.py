@@ -360,4 +360,7 @@ def test_simulate_exits_1_when_the_ledger_differs_from_the_store(
     args = ["simulate", "--database-url", url_for(tmp_path), *TINY]
     result = invoke(*args, *(["--json"] if json_output else []))
     assert result.exit_code == 1, (result.exit_code, result.output)
-    assert "DIFFER" in result.stdout + result.stderr or json_output
+    if json_output:  # (was `"DIFFER" in output or json_output`: nothing checked in JSON)
+        assert json.loads(result.stdout)["ledger_matches_store"] is False
+    else:
+        assert "DIFFER" in result.stdout + result.stderr
