@@ -5,6 +5,9 @@
 #   scripts/mutation.sh                 # every mutant of the modules below
 #   MUTATION_WORKDIR=/tmp/m scripts/mutation.sh   # keep the clone, venv and results there
 #   MUTATION_MAX_CHILDREN=2 ...         # parallel mutants (default: the number of cores)
+#   MUTATION_MODULES="infrastructure/placing/batch.py" \
+#   MUTATION_TESTS="tests/test_batch_races.py tests/test_batching.py" scripts/mutation.sh
+#                                       # one module at a time, with the tests that matter
 #
 # It creates what it needs: a clone in a work directory, a virtual environment with the
 # project's dependencies and its `test` and `mutation` extras (the project itself is not
@@ -16,8 +19,19 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 WORK="${MUTATION_WORKDIR:-$(mktemp -d -t secondbox-mutation-XXXXXX)}"
 CHILDREN="${MUTATION_MAX_CHILDREN:-$(nproc)}"
-MODULES=(placement/rules placement/evidence runner sandbox lease
-         audit/state audit/runner_checks audit/sandbox_checks audit/fold)
+# Paths under the package (secondbox_scheduler/), as mutmut's only_mutate globs. (The
+# list named domain/placement.py and domain/audit_fold.py until 2026-12-01: both had
+# become packages, so the globs matched nothing and their mutants were never made.)
+MODULES=(
+  domain/placement/rules.py domain/placement/evidence.py domain/runner.py domain/sandbox.py
+  domain/lease.py domain/audit/state.py domain/audit/runner_checks.py
+  domain/audit/sandbox_checks.py domain/audit/fold.py
+  domain/audit/chain.py
+  infrastructure/placing/batch.py infrastructure/placing/batcher.py
+  infrastructure/audit/verify.py infrastructure/audit/snapshot_check.py
+  infrastructure/audit/log_fold.py infrastructure/audit/queries.py
+  infrastructure/audit/whatif_replay.py
+)
 # The tests that pin these modules down; fast, SQLite only (the domain is store-agnostic).
 # The last two read the release-0.1 history: the only callers of Sandbox.upcast_v1_v2
 # (audit verify refolds the 0.1 snapshots through it).
@@ -31,7 +45,11 @@ TESTS=(
   tests/test_placement.py tests/test_application_guards.py tests/test_audit.py
   tests/test_lifecycle.py tests/test_schedule.py tests/test_runners.py tests/test_reconcile.py
   tests/test_bounded_state.py tests/test_fixture_history.py
+  tests/test_batch_races.py tests/test_batching.py tests/test_races.py
+  tests/test_concurrency.py tests/test_tamper.py tests/test_whatif.py
 )
+if [ -n "${MUTATION_MODULES:-}" ]; then read -r -a MODULES <<< "$MUTATION_MODULES"; fi
+if [ -n "${MUTATION_TESTS:-}" ]; then read -r -a TESTS <<< "$MUTATION_TESTS"; fi
 
 echo "mutation run in $WORK" >&2
 rm -rf "$WORK/clone"
@@ -56,7 +74,7 @@ done
   echo "[mutmut]"
   echo "source_paths = secondbox_scheduler"
   echo "only_mutate ="
-  for module in "${MODULES[@]}"; do echo "    secondbox_scheduler/domain/$module.py"; done
+  for module in "${MODULES[@]}"; do echo "    secondbox_scheduler/$module"; done
   echo "pytest_add_cli_args_test_selection ="
   for test in "${TESTS[@]}"; do echo "    $test"; done
   echo "pytest_add_cli_args ="

@@ -793,6 +793,24 @@ def test_an_error_between_the_insert_and_the_commit_stores_nothing(
         app.close()
 
 
+def first_leader_waits_for(monkeypatch: pytest.MonkeyPatch, calls: int) -> threading.Event:
+    """Replace the batcher's wall-clock window by a count: the first leader waits until
+    ``calls`` requests are queued (60 s is only a guard against a hang: the last arrival
+    ends the wait), later leaders take what is queued at once. The event is set once the
+    first leader is regrouping, so the test starts the next caller then, not after a
+    sleep that a loaded machine could outlast."""
+    leading = threading.Event()
+
+    def regroup(previous: int, size: int, wait: float) -> tuple[int, float, float, float]:
+        if leading.is_set():
+            return 1, 0.0, 0.0, 0.0
+        leading.set()
+        return calls, 60.0, 60.0, 60.0
+
+    monkeypatch.setattr(batcher_module, "regroup", regroup)
+    return leading
+
+
 def test_a_leader_wakes_only_the_callers_its_own_batch_answered(
     monkeypatch: pytest.MonkeyPatch, clock: Clock
 ) -> None:
@@ -828,7 +846,8 @@ def test_a_leader_wakes_only_the_callers_its_own_batch_answered(
             return [("a", True), None]  # b's runner was busy: deferred
         return [(name, True) for name in names]
 
-    batcher = PlacementBatcher(run, size=2, wait=0.3)  # a waits for b: one batch of both
+    leading = first_leader_waits_for(monkeypatch, 2)  # a waits for b: one batch of both
+    batcher = PlacementBatcher(run, size=2)
     answers: dict[str, Any] = {}
     threads = {
         name: threading.Thread(
@@ -841,8 +860,7 @@ def test_a_leader_wakes_only_the_callers_its_own_batch_answered(
         for name in ("a", "b")
     }
     threads["a"].start()
-    while not made:
-        time.sleep(0.001)
+    assert leading.wait(10)  # a leads and waits for b
     threads["b"].start()
     deadline = time.monotonic() + 20
     for thread in threads.values():
@@ -882,7 +900,8 @@ def test_an_interrupted_caller_whose_request_is_deferred_is_not_queued_again(
             return [("a", True), None]  # and its runner was busy: deferred
         return [(name, True) for name in names]
 
-    batcher = PlacementBatcher(run, size=2, wait=0.3)
+    leading = first_leader_waits_for(monkeypatch, 2)  # a waits for b: one batch of both
+    batcher = PlacementBatcher(run, size=2)
     answers: dict[str, Any] = {}
 
     def call(name: str) -> None:
@@ -894,7 +913,7 @@ def test_an_interrupted_caller_whose_request_is_deferred_is_not_queued_again(
 
     first = [threading.Thread(target=call, args=(n,), name=n, daemon=True) for n in "ab"]
     first[0].start()
-    time.sleep(0.05)
+    assert leading.wait(10)  # a leads and waits for b
     first[1].start()
     for thread in first:
         thread.join(20)

@@ -116,15 +116,41 @@ def test_contention_past_the_limit_raises_and_writes_nothing(store: Store, clock
     assert len(list(rival.events.get(sandbox_uuid("s1")))) == 1
 
 
+# What one default-profile assignment reserves, and allocatable that is roomy on every
+# dimension: a race below makes exactly one dimension tight.
+PER_ASSIGNMENT = requirements().capacity.as_dict()
+ROOMY = {
+    "vcpu_count": 1000, "memory_bytes": 2**50, "disk_bytes": 2**50, "instances": 1000,
+    "operations": 1000,
+}  # fmt: skip
+
+
+def binding(dimension: str, slots: int) -> Capacity:
+    """Allocatable on which only ``dimension`` binds, at ``slots`` assignments: it holds
+    ``slots`` of them plus all but one unit of another (so the boundary is exact)."""
+    per = PER_ASSIGNMENT[dimension]
+    return Capacity(**{**ROOMY, dimension: slots * per + per - 1})
+
+
 def race(
-    store: Store, clock: Clock, *, threads: int, per_thread: int, slots: int
+    store: Store,
+    clock: Clock,
+    *,
+    threads: int,
+    per_thread: int,
+    slots: int,
+    dimension: str = "instances",
 ) -> tuple[Counter[str], SchedulerApplication]:
-    """``threads`` replicas schedule sandboxes all homed on r1, which has ``slots``."""
+    """``threads`` replicas schedule sandboxes all homed on r1, which has room for
+    ``slots`` of them on ``dimension`` only (every other dimension is roomy).
+
+    A request loses a race only to a commit on r1 or on its own sandbox; each sandbox is
+    scheduled once, and r1 takes at most ``slots`` placements, so a request can lose at
+    most ``slots`` times: with a retry budget above that, no request may end in
+    ``SerializationContentionError``. A refusal must be for capacity on ``dimension``.
+    """
     setup = store.open()
-    roomy = capacity(
-        vcpu_count=1000, memory_bytes=2**50, disk_bytes=2**50, instances=slots, operations=1000
-    )
-    register(setup, "r1", at=clock(), allocatable=roomy)
+    register(setup, "r1", at=clock(), allocatable=binding(dimension, slots))
     sandboxes = [f"s{i}" for i in range(threads * per_thread)]
     for sandbox_id in sandboxes:
         assert create_sandbox(setup, sandbox_id) == "r1"
@@ -132,6 +158,7 @@ def race(
     lock = threading.Lock()
     replicas = [store.open() for _ in range(threads)]
     start = threading.Barrier(threads, timeout=60)
+    budget = slots + 1
 
     def worker(index: int) -> None:
         replica = replicas[index]
@@ -139,11 +166,12 @@ def race(
         for sandbox_id in sandboxes[index::threads]:
             try:
                 _, created = replica.schedule(
-                    schedule_request(sandbox_id, clock(), serialization_retry_limit=50)
+                    schedule_request(sandbox_id, clock(), serialization_retry_limit=budget)
                 )
                 outcome = "placed" if created else "replayed"
-            except HomeRunnerUnavailableError:
-                outcome = "refused"
+            except HomeRunnerUnavailableError as error:
+                short = f"insufficient {dimension}" in str(error)
+                outcome = "refused for capacity" if short else f"refused: {error}"
             except SerializationContentionError:
                 outcome = "contention"
             with lock:
@@ -154,22 +182,33 @@ def race(
     return outcomes, setup
 
 
-def assert_never_oversubscribed(app: SchedulerApplication, placed: int, slots: int) -> None:
+def assert_exactly_full(
+    app: SchedulerApplication, outcomes: Counter[str], requested: int, slots: int
+) -> None:
+    """Exactly ``slots`` placed, every other request refused for capacity, none lost to
+    contention (see :func:`race`), and r1 holds exactly the placed assignments: never
+    more than allocatable on any dimension."""
+    assert outcomes == Counter({"placed": slots, "refused for capacity": requested - slots})
     runner = app.get_runner("r1")
-    for dim, reserved in runner.reserved.as_dict().items():
-        assert reserved <= runner.allocatable.as_dict()[dim], dim
-    per_assignment = requirements().capacity
-    assert runner.reserved.instances == placed * per_assignment.instances
-    assert runner.reserved.vcpu_count == placed * per_assignment.vcpu_count
-    assert len(app.runner_assignments("r1")) == placed
-    assert placed <= slots
+    reserved, allocatable = runner.reserved.as_dict(), runner.allocatable.as_dict()
+    for dim, amount in reserved.items():
+        assert amount == slots * PER_ASSIGNMENT[dim], dim
+        assert amount <= allocatable[dim], dim
+    assert len(app.runner_assignments("r1")) == slots
 
 
 def test_threads_racing_on_one_runner_never_oversubscribe(store: Store, clock: Clock) -> None:
     outcomes, app = race(store, clock, threads=4, per_thread=6, slots=4)
-    assert outcomes["placed"] + outcomes["refused"] + outcomes["contention"] == 24
-    assert_never_oversubscribed(app, outcomes["placed"], slots=4)
-    assert outcomes["placed"] == 4 or outcomes["contention"] > 0
+    assert_exactly_full(app, outcomes, requested=24, slots=4)
+
+
+@pytest.mark.parametrize("dimension", ["vcpu_count", "memory_bytes", "disk_bytes", "operations"])
+def test_threads_racing_fill_exactly_the_one_dimension_that_binds(
+    store: Store, clock: Clock, dimension: str
+) -> None:
+    """As above with each other dimension the only tight one (instances roomy)."""
+    outcomes, app = race(store, clock, threads=3, per_thread=3, slots=3, dimension=dimension)
+    assert_exactly_full(app, outcomes, requested=9, slots=3)
 
 
 @pytest.mark.slow
@@ -178,8 +217,6 @@ def test_eight_threads_times_200_schedules_on_postgres(postgres_schema: Any, clo
     store = Store("postgres", postgres_schema.env(), clock)
     try:
         outcomes, app = race(store, clock, threads=8, per_thread=200, slots=100)
-        assert sum(outcomes.values()) == 1600
-        assert_never_oversubscribed(app, outcomes["placed"], slots=100)
-        assert outcomes["placed"] == 100 or outcomes["contention"] > 0
+        assert_exactly_full(app, outcomes, requested=1600, slots=100)
     finally:
         store.close()

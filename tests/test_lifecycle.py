@@ -192,7 +192,7 @@ def test_an_older_generation_cannot_act_on_a_newer_one(
             call(app, 1, first.fencing_token)
         with pytest.raises(StaleFenceError):
             call(app, 2, first.fencing_token)
-        assert name
+        assert app.event_count() == before, f"{name}: a stale fence wrote an event"
     with pytest.raises(StaleFenceError):
         app.claim_reconcile("s1", 1, "reconciler", clock() + timedelta(seconds=5))
     assert app.event_count() == before

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from secondbox_scheduler.domain import (
+    Capacity,
     HomeRunnerUnavailableError,
     SchedulerError,
     SerializationContentionError,
@@ -27,10 +28,12 @@ from secondbox_scheduler.domain.errors import (
     AssignmentNotFoundError,
     InvalidTransitionError,
 )
+from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.placing.batch import PlacementBatch
 from tests.conftest import Clock, Store
 from tests.factories import capacity, create_sandbox, register, schedule_request
+from tests.test_concurrency import PER_ASSIGNMENT, binding
 
 
 def interleave(app: object, name: str, rival: Callable[[], object]) -> None:
@@ -104,8 +107,19 @@ def test_a_release_that_lost_to_a_rival_answers_false(store: Store, clock: Clock
     assignment, _ = app.schedule(schedule_request("s1", clock()))
     fence = (assignment.generation, assignment.fencing_token)
     app.get_assignment("s1")
-    interleave(app, "_load_runner", lambda: rival.release("s1", *fence, {"exit": "0"}))
+    # the rival releases just before the release loads the runner (after the sandbox):
+    # this test hooked ``_load_runner`` once, a name that no longer exists: it failed
+    load = app.load
+    fired: list[bool] = []
+
+    def load_runner_after_rival(aggregate_id: Any, kind: type[Any], **kwargs: Any) -> Any:
+        if kind is Runner and not fired:
+            fired.append(rival.release("s1", *fence, {"exit": "0"}))
+        return load(aggregate_id, kind, **kwargs)
+
+    app.load = load_runner_after_rival  # type: ignore[method-assign]
     assert app.release("s1", *fence, {"exit": "0"}) is False
+    assert fired == [True], "the rival's release ran between the two reads"
     assert rival.get_runner("hot").reserved == capacity(
         vcpu_count=0, memory_bytes=0, disk_bytes=0, instances=0, operations=0
     )
@@ -121,18 +135,22 @@ DOCUMENTED = (
 
 
 @pytest.mark.postgres
+@pytest.mark.parametrize("dimension", Capacity.DIMENSIONS)
 def test_replicas_racing_one_hot_runner_only_ever_get_documented_outcomes(
-    postgres_schema: Any, clock: Clock
+    postgres_schema: Any, clock: Clock, dimension: str
 ) -> None:
+    """Three replicas, a random mix of commands on four sandboxes homed on one runner
+    with room for three, on ``dimension`` alone (every other dimension roomy)."""
     env = postgres_schema.env()
     replicas = [SchedulerApplication(env=dict(env), now=clock) for _ in range(3)]
     try:
-        register(replicas[0], "hot", at=clock(), allocatable=capacity(instances=3))
+        register(replicas[0], "hot", at=clock(), allocatable=binding(dimension, 3))
         sandboxes = [f"s{i}" for i in range(4)]
         for sandbox_id in sandboxes:
             create_sandbox(replicas[0], sandbox_id)
         outcomes: Counter[str] = Counter()
         internal: list[BaseException] = []
+        refusals: list[str] = []
         lock = threading.Lock()
 
         def work(index: int) -> None:
@@ -144,6 +162,9 @@ def test_replicas_racing_one_hot_runner_only_ever_get_documented_outcomes(
                     outcome = act(app, kind, sandbox_id, clock)
                 except DOCUMENTED as error:
                     outcome = f"{kind}: {type(error).__name__}"
+                    if isinstance(error, HomeRunnerUnavailableError):
+                        with lock:
+                            refusals.append(str(error))
                 except BaseException as error:  # anything else is a leak
                     with lock:
                         internal.append(error)
@@ -163,7 +184,13 @@ def test_replicas_racing_one_hot_runner_only_ever_get_documented_outcomes(
         hot = replicas[0].get_runner("hot")
         held = [replicas[0].get_assignment(s) for s in sandboxes]
         holding = [a for a in held if a is not None and a.state != "released"]
-        assert hot.reserved.instances == len(holding) <= 3
+        assert len(holding) <= 3
+        for dim, reserved in hot.reserved.as_dict().items():
+            assert reserved == len(holding) * PER_ASSIGNMENT[dim], dim
+            assert reserved <= hot.allocatable.as_dict()[dim], dim
+        # every refusal of a schedule was the hot runner full on the binding dimension
+        for text in refusals:
+            assert f"insufficient {dimension}" in text, text
     finally:
         for app in replicas:
             app.close()

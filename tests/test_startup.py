@@ -12,17 +12,17 @@ import json
 import subprocess
 import sys
 import textwrap
-import time
 from typing import Any
 
 import pytest
 
 PROBE = textwrap.dedent(
     """
-    import json, sys, time
+    import json, sys
     from secondbox_scheduler import SchedulerApplication
-    env, start = json.loads(sys.argv[1]), float(sys.argv[2])
-    time.sleep(max(0.0, start - time.time()))
+    env = json.loads(sys.argv[1])
+    print("ready", flush=True)  # imported: wait for the others (a barrier, not a clock)
+    sys.stdin.readline()
     failures = []
     app = None
     try:
@@ -49,16 +49,26 @@ def test_replicas_started_at_the_same_moment_on_a_fresh_schema_all_start(
     postgres_schema: Any, round_: int
 ) -> None:
     env = json.dumps(postgres_schema.env())
-    start = time.time() + 2.0  # every process imports first, then all construct at once
     processes = [
         subprocess.Popen(
-            [sys.executable, "-c", PROBE, env, str(start), f"r{round_}-{index}"],
+            [sys.executable, "-c", PROBE, env, "-", f"r{round_}-{index}"],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
         for index in range(6)
     ]
+    # every process imports first (however long a loaded machine takes: it was a start
+    # time 2 s ahead, which slow imports could miss, and the replicas then started one
+    # after another), then all construct at once
+    for process in processes:
+        assert process.stdout is not None
+        assert process.stdout.readline() == "ready\n", process.stderr
+    for process in processes:
+        assert process.stdin is not None
+        process.stdin.write("go\n")
+        process.stdin.flush()
     results = [process.communicate(timeout=120) for process in processes]
     failures = [failure for out, _ in results for failure in json.loads(out or '["no output"]')]
     assert failures == [], [err for _, err in results]

@@ -48,3 +48,22 @@ def test_the_ci_profile_is_derandomized() -> None:
     if HYPOTHESIS_PROFILE == "ci":
         assert current.derandomize
     assert current.deadline is None
+
+
+def test_state_machine_with_every_dimension_tight() -> None:
+    """The same machine with runners that offer as few units of every dimension as of
+    instances, on SQLite: the sandboxes that ask two vCPUs, memory, disk or operations
+    run out of that dimension first, and the model (which tracks every dimension) must
+    still predict every answer and every reservation. Fewer examples, no transition
+    census (the default run above is the one tuned to reach them all)."""
+    machine = scheduler_machine(sqlite_store, "_tight", every_dimension_tight=True)
+    machine.TestCase.settings = settings(
+        max_examples=SIZES[HYPOTHESIS_PROFILE][1] * 2,
+        stateful_step_count=SIZES[HYPOTHESIS_PROFILE][2],
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
+    machine.TestCase().runTest()
+    reached = machine.transitions
+    print(f"\ntransitions reached with every dimension tight: {dict(sorted(reached.items()))}")
+    assert reached["schedule: created"] > 0
+    assert reached["schedule: home unavailable"] > 0

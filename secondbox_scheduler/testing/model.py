@@ -1,28 +1,64 @@
 """The reference model: what the scheduler must answer, kept deliberately simple.
 
-Per runner: an instance count (the only dimension the model's profile is tight on),
-a reserved count, a drain flag, a deregistered flag and the last recorded heartbeat.
-Per sandbox: its home runner, its generation and, per generation, the assignment's
-state, token and retry count. It knows nothing of events, evidence or stores: it
-predicts outcomes from the specification alone (docs/spec.md), so a bug in the scheduler shows as a
-disagreement with it. :mod:`.state_machine` drives both side by side.
+Per runner: its allocatable and reserved amounts on every capacity dimension (vCPUs,
+memory, disk, instances, operations: any of them can be the one that binds), a drain
+flag, a deregistered flag and the last recorded heartbeat. Per sandbox: its home
+runner, what each of its generations reserves, its generation and, per generation,
+the assignment's state, token, retry count and reserved capacity. It knows nothing
+of events, evidence or stores: it predicts outcomes from the specification alone
+(docs/spec.md), so a bug in the scheduler shows as a disagreement with it.
+:mod:`.state_machine` drives both side by side.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from secondbox_scheduler.domain.values import Capacity
 from secondbox_scheduler.testing.builders import HEARTBEAT_TIMEOUT, Clock
+
+DIMENSIONS = Capacity.DIMENSIONS
+
+
+def amounts(values: Mapping[str, int] | None = None) -> dict[str, int]:
+    """An amount on every capacity dimension (0 where ``values`` has none)."""
+    return {dim: (values or {}).get(dim, 0) for dim in DIMENSIONS}
+
+
+def total(parts: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """The sum of amounts, dimension by dimension."""
+    summed = amounts()
+    for part in parts:
+        for dim in DIMENSIONS:
+            summed[dim] += part.get(dim, 0)
+    return summed
 
 
 @dataclass
 class ModelRunner:
-    instances: int
-    reserved: int = 0
+    allocatable: dict[str, int]
+    reserved: dict[str, int] = field(default_factory=amounts)
     draining: bool = False
     deregistered: bool = False
     heartbeat: datetime | None = None
+
+    def fits(self, capacity: Mapping[str, int]) -> bool:
+        """Whether ``capacity`` fits beside what is reserved, on every dimension."""
+        return all(
+            self.reserved[dim] + capacity.get(dim, 0) <= self.allocatable[dim] for dim in DIMENSIONS
+        )
+
+    def holds_more_than(self, allocatable: Mapping[str, int]) -> bool:
+        """Whether the reservations exceed ``allocatable`` on some dimension."""
+        return any(self.reserved[dim] > allocatable.get(dim, 0) for dim in DIMENSIONS)
+
+    def reserve(self, capacity: Mapping[str, int]) -> None:
+        self.reserved = total([self.reserved, capacity])
+
+    def release(self, capacity: Mapping[str, int]) -> None:
+        self.reserved = {dim: self.reserved[dim] - capacity.get(dim, 0) for dim in DIMENSIONS}
 
 
 @dataclass
@@ -32,12 +68,14 @@ class ModelAssignment:
     state: str = "assigned"
     retries: int = 0
     retry_limit: int = 1
+    capacity: dict[str, int] = field(default_factory=amounts)
 
 
 @dataclass
 class ModelSandbox:
     home: str
     generation: int = 1
+    capacity: dict[str, int] = field(default_factory=amounts)  # what each generation asks
     assignments: dict[int, ModelAssignment] = field(default_factory=dict)
     tokens: set[bytes] = field(default_factory=set)
 
@@ -57,15 +95,15 @@ class ReferenceModel:
         seen = runner.heartbeat
         return seen is not None and seen >= self.clock() - self.heartbeat_timeout
 
-    def placeable(self, runner_id: str) -> bool:
-        """Would a one-instance placement be accepted on this runner now?"""
+    def placeable(self, runner_id: str, capacity: Mapping[str, int]) -> bool:
+        """Would a placement asking ``capacity`` be accepted on this runner now?"""
         runner = self.runners.get(runner_id)
         return (
             runner is not None
             and not runner.deregistered
             and not runner.draining
             and self.fresh(runner)
-            and runner.reserved < runner.instances
+            and runner.fits(capacity)
         )
 
     def heartbeat(self, runner_id: str, at: datetime) -> None:
@@ -83,10 +121,11 @@ class ReferenceModel:
         assignment = sandbox.assignments.get(sandbox.generation)
         return None if assignment is None else (sandbox, assignment)
 
-    def unreleased_on(self, runner_id: str) -> int:
-        """Invariant 2: the assignments whose reservation the runner must still hold."""
-        return sum(
-            1
+    def unreleased_on(self, runner_id: str) -> dict[str, int]:
+        """Invariant 2: the capacity of the assignments whose reservation the runner must
+        still hold, on every dimension."""
+        return total(
+            assignment.capacity
             for sandbox in self.sandboxes.values()
             for assignment in sandbox.assignments.values()
             if assignment.runner == runner_id and assignment.state != "released"

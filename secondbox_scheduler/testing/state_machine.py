@@ -4,12 +4,18 @@
 :class:`~.model.ReferenceModel` side by side through every command (register,
 heartbeat fresh and older, drain and cancel, change allocatable, deregister, create
 sandbox, schedule with valid, duplicate and invalid requests, mark running, release
-with right and stale fences, release again with the same and another proof, fail
-transient and terminal, claim, advance generation, clock ticks that let heartbeats go
-stale). The model predicts every outcome, including which refusal.
+with right and stale fences (another token, a later generation, and an earlier
+generation's own generation and token once the sandbox has advanced), release again
+with the same and another proof, fail transient and terminal, claim, advance
+generation, clock ticks that let heartbeats go stale). The model predicts every
+outcome, including which refusal. The model tracks every capacity dimension; by
+default only instances are tight (as the derandomized examples were tuned on), and
+with ``every_dimension_tight`` runners offer as few units of every dimension and the
+sandboxes ask two of some (:data:`SANDBOX_CAPACITY`), so each dimension binds.
 
 After every step: reserved equals the model and the sum of unreleased assignments and
-never exceeds allocatable (docs/spec.md (section 7), invariants 1 and 2), drain phases agree,
+never exceeds allocatable, on every dimension (docs/spec.md (section 7), invariants 1
+and 2), drain phases agree,
 every assignment's state, token and retry count agree with the model, each sandbox's
 tokens are distinct (3), and the read models equal the fold of the aggregates (7). At
 the end of every example ``audit verify`` replays the whole log and must find nothing.
@@ -70,13 +76,23 @@ from secondbox_scheduler.testing.model import (
     ModelRunner,
     ModelSandbox,
     ReferenceModel,
+    amounts,
 )
 
 RUNNER_IDS = ("ra", "rb", "rc")
 SANDBOX_IDS = ("sa", "sb", "sc", "sd")
 LIKELY = ("sa", "sb", "sa", "sb", "sc", "sd")  # the two created at start, more often
 PROOF = {"stopped": "yes"}
+EARLIER_COMMANDS = ("running", "release", "fail", "fail-terminal")
 ONE = {"vcpu_count": 1, "memory_bytes": 1, "disk_bytes": 1, "instances": 1, "operations": 1}
+# What each sandbox asks: one unit of every dimension, but two of some (so the
+# reservation of each dimension is checked apart from the others).
+SANDBOX_CAPACITY = {
+    "sa": ONE,
+    "sb": {**ONE, "vcpu_count": 2},
+    "sc": {**ONE, "memory_bytes": 2},
+    "sd": {**ONE, "disk_bytes": 2, "operations": 2},
+}
 _tokens = itertools.count(10_000)
 
 # Every transition the rules can take; a long enough run reaches each of them.
@@ -95,6 +111,7 @@ TRANSITIONS = frozenset(
         "release: released", "release: repeat no-op", "release: another proof refused",
         "fail: retried", "fail: terminal", "fail: after release refused",
         "fence: stale token refused", "fence: stale generation refused",
+        "fence: earlier generation refused",
         "claim: granted", "claim: held by another",
         "advance: done", "advance: refused assigned", "advance: refused running",
         "advance: refused failed",
@@ -125,10 +142,19 @@ def roomy(instances: int) -> dict[str, int]:
     }
 
 
+def offering(units: int, every_dimension: bool) -> dict[str, int]:
+    """A runner's allocatable: ``units`` instances and roomy on the other dimensions
+    (the default: the derandomized examples then reach every transition), or
+    ``units`` of every dimension (``every_dimension``: the sandboxes that ask two of
+    some dimension run out of it first, so each dimension binds somewhere)."""
+    return dict.fromkeys(ONE, units) if every_dimension else roomy(units)
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     """See the module's docstring. Subclass with :func:`scheduler_machine`."""
 
     store: ClassVar[Store] = staticmethod(sqlite_store)
+    every_dimension_tight: ClassVar[bool] = False
     transitions: ClassVar[Counter[str]] = Counter()
 
     def __init__(self) -> None:
@@ -148,6 +174,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert report.ok, [str(v) for v in report.violations]
         finally:
             self.stack.close()
+
+    def asks(self, sandbox_id: str) -> dict[str, int]:
+        """What the sandbox's profile asks: :data:`SANDBOX_CAPACITY` when every dimension
+        is tight, else one unit of each (as the examples the census was tuned on)."""
+        return SANDBOX_CAPACITY[sandbox_id] if self.every_dimension_tight else ONE
 
     def reached(self, transition: str) -> None:
         assert transition in TRANSITIONS, transition
@@ -170,12 +201,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.create("sa")
         self.create("sb")
 
+    # (the argument keeps its name: Hypothesis draws a rule's arguments in name order,
+    # so renaming it would change every derandomized example)
     @rule(runner_id=st.sampled_from(RUNNER_IDS), instances=st.integers(1, 3))
     def register(self, runner_id: str, instances: int) -> None:
+        allocatable = offering(instances, self.every_dimension_tight)
         try:
             self.app.register_runner(
                 runner_id=runner_id, pool_name="pool-a", backend_kind="firecracker",
-                architecture="x86_64", capabilities=CAPABILITIES, allocatable=roomy(instances),
+                architecture="x86_64", capabilities=CAPABILITIES, allocatable=allocatable,
                 guest_protocol_minimum=1, guest_protocol_maximum=3,
                 supported_egress_contexts=("default",),
             )  # fmt: skip
@@ -184,7 +218,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.reached("register: already registered")
             return
         assert runner_id not in self.runners
-        self.runners[runner_id] = ModelRunner(instances)
+        self.runners[runner_id] = ModelRunner(dict(allocatable))
         self.heartbeat(runner_id, self.clock())
         self.reached("register: new")
 
@@ -229,21 +263,22 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(runner_id=st.sampled_from(RUNNER_IDS), instances=st.integers(0, 3))
     def change_allocatable(self, runner_id: str, instances: int) -> None:
+        allocatable = offering(instances, self.every_dimension_tight)
         runner = self.runners.get(runner_id)
         if runner is None or runner.deregistered:
             self.refused(
                 SchedulerError, "allocatable: unknown refused", self.app.change_allocatable,
-                runner_id, roomy(instances),
+                runner_id, allocatable,
             )  # fmt: skip
             return
-        if instances < runner.reserved:
+        if runner.holds_more_than(allocatable):
             self.refused(
                 CapacityExceededError, "allocatable: below reserved refused",
-                self.app.change_allocatable, runner_id, roomy(instances),
+                self.app.change_allocatable, runner_id, allocatable,
             )  # fmt: skip
             return
-        self.app.change_allocatable(runner_id, roomy(instances))
-        runner.instances = instances
+        self.app.change_allocatable(runner_id, allocatable)
+        runner.allocatable = dict(allocatable)
         self.reached("allocatable: changed")
 
     @rule(runner_id=st.sampled_from(RUNNER_IDS))
@@ -255,7 +290,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 runner_id,
             )  # fmt: skip
             return
-        if runner.reserved:
+        if any(runner.reserved.values()):
             self.refused(
                 ConflictError, "deregister: busy refused", self.app.deregister_runner, runner_id
             )
@@ -282,7 +317,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         def create() -> str:
             return self.app.create_sandbox(
                 sandbox_id=sandbox_id, workspace_id=f"w-{sandbox_id}",
-                profile_revision_id="profile-1", requirements=profile(capacity=ONE),
+                profile_revision_id="profile-1",
+                requirements=profile(capacity=self.asks(sandbox_id)),
                 heartbeat_timeout=self.model.heartbeat_timeout,
             )  # fmt: skip
 
@@ -290,7 +326,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert create() == self.sandboxes[sandbox_id].home
             self.reached("create: repeat")
             return
-        if not any(self.model.placeable(r) for r in self.runners):
+        wanted = self.asks(sandbox_id)
+        if not any(self.model.placeable(r, wanted) for r in self.runners):
             try:
                 create()
             except (NoCompatibleRunnerError, EgressContextUnavailableError):
@@ -298,14 +335,14 @@ class SchedulerMachine(RuleBasedStateMachine):
                 return
             raise AssertionError("a sandbox was created with no compatible runner")
         home = create()
-        assert self.model.placeable(home), f"{home} was not compatible"
-        self.sandboxes[sandbox_id] = ModelSandbox(home)
+        assert self.model.placeable(home, wanted), f"{home} was not compatible"
+        self.sandboxes[sandbox_id] = ModelSandbox(home, capacity=amounts(wanted))
         self.reached("create: new")
 
     def request(self, sandbox_id: str, **overrides: Any) -> ScheduleRequest:
         return schedule_request(
             sandbox_id, self.clock(), workspace_id=f"w-{sandbox_id}",
-            requirements=profile(capacity=ONE), retry_limit=1,
+            requirements=profile(capacity=self.asks(sandbox_id)), retry_limit=1,
             serialization_retry_limit=3, **overrides,
         )  # fmt: skip
 
@@ -333,7 +370,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert assignment.fencing_token == existing.token
             self.reached("schedule: replay")
             return
-        if not self.model.placeable(sandbox.home):
+        if not self.model.placeable(sandbox.home, sandbox.capacity):
             try:
                 self.app.schedule(self.request(sandbox_id, fencing_token=fresh))
             except HomeRunnerUnavailableError:
@@ -345,9 +382,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert assignment.runner_id == sandbox.home
         assert assignment.generation == sandbox.generation
         assert fresh not in sandbox.tokens
-        sandbox.assignments[sandbox.generation] = ModelAssignment(sandbox.home, fresh)
+        assert assignment.capacity.as_dict() == sandbox.capacity
+        sandbox.assignments[sandbox.generation] = ModelAssignment(
+            sandbox.home, fresh, capacity=dict(sandbox.capacity)
+        )
         sandbox.tokens.add(fresh)
-        self.runners[sandbox.home].reserved += 1
+        self.runners[sandbox.home].reserve(sandbox.capacity)
         self.reached("schedule: created")
 
     def assigned(self, released: bool | None = None) -> list[str]:
@@ -406,7 +446,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert released == (state != "released")
             if state != "released":
                 assignment.state = "released"
-                self.runners[assignment.runner].reserved -= 1
+                self.runners[assignment.runner].release(assignment.capacity)
                 self.reached("release: released")
             else:
                 self.reached("release: repeat no-op")
@@ -427,6 +467,20 @@ class SchedulerMachine(RuleBasedStateMachine):
     lifecycle_more = lifecycle
     lifecycle_again = lifecycle
     schedule_more = schedule
+
+    def earlier_fence(self, sandbox_id: str, generation: int, command: str) -> None:
+        """An earlier generation's own fence (its generation and its token, both once
+        valid) after the sandbox advanced: refused as stale, nothing written."""
+        sandbox = self.sandboxes[sandbox_id]
+        assert generation < sandbox.generation
+        token = sandbox.assignments[generation].token
+        call: Callable[[], object] = {
+            "running": lambda: self.app.mark_running(sandbox_id, generation, token),
+            "release": lambda: self.app.release(sandbox_id, generation, token, PROOF),
+            "fail": lambda: self.app.fail(sandbox_id, generation, token, "transport"),
+            "fail-terminal": lambda: self.app.fail(sandbox_id, generation, token, "admission"),
+        }[command]
+        self.refused(StaleFenceError, "fence: earlier generation refused", call)
 
     @precondition(lambda self: self.assigned(released=True))
     @rule(data=st.data(), other_proof=st.booleans())
@@ -477,6 +531,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.app.advance_generation(sandbox_id, sandbox.generation) == sandbox.generation + 1
         sandbox.generation += 1
         self.reached("advance: done")
+        # the generation just left presents its own fence: refused, nothing written (no
+        # draw: the examples stay those the other rules were tuned on; the command
+        # cycles through the four fenced ones)
+        done = type(self).transitions["advance: done"]
+        self.earlier_fence(sandbox_id, sandbox.generation - 1, EARLIER_COMMANDS[done % 4])
 
     advance_more = advance
 
@@ -488,11 +547,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             if model.deregistered:
                 continue
             snapshot = self.app.fold_runner(runner_id)
-            assert snapshot.reserved.instances == model.reserved
-            assert model.reserved <= model.instances
-            assert snapshot.reserved.instances <= snapshot.allocatable.instances
+            reserved, allocatable = snapshot.reserved.as_dict(), snapshot.allocatable.as_dict()
+            assert reserved == model.reserved
+            assert allocatable == model.allocatable
+            assert not model.holds_more_than(model.allocatable)
+            for dim, amount in reserved.items():
+                assert amount <= allocatable[dim], dim
             assert snapshot.drain_phase == ("draining" if model.draining else "active")
-            assert snapshot.reserved.instances == self.model.unreleased_on(runner_id)
+            assert reserved == self.model.unreleased_on(runner_id)
 
     @invariant()
     def assignments_agree_with_model(self) -> None:
@@ -517,8 +579,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             )
 
 
-def scheduler_machine(store: Store = sqlite_store, name: str = "") -> type[SchedulerMachine]:
+def scheduler_machine(
+    store: Store = sqlite_store, name: str = "", *, every_dimension_tight: bool = False
+) -> type[SchedulerMachine]:
     """A machine class on ``store`` (a callable returning a context manager of an
-    application environment, fresh each time), with transition counts of its own."""
-    attributes = {"store": staticmethod(store), "transitions": Counter()}
+    application environment, fresh each time), with transition counts of its own.
+    ``every_dimension_tight``: runners offer as few units of every dimension as of
+    instances (:func:`offering`)."""
+    attributes = {
+        "store": staticmethod(store),
+        "transitions": Counter(),
+        "every_dimension_tight": every_dimension_tight,
+    }
     return type(f"SchedulerMachine{name}", (SchedulerMachine,), attributes)
