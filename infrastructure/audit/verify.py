@@ -22,6 +22,7 @@ from secondbox_scheduler.domain.audit.chain import (
     ChainVerifier,
     Checkpoint,
     Finding,
+    Link,
 )
 from secondbox_scheduler.domain.audit.fold import AuditFold
 from secondbox_scheduler.domain.audit.state import Violation
@@ -142,6 +143,12 @@ def verify(
     return AuditReport(audit.events, seconds, raw_seconds, audit.position, violations, chain)
 
 
+def _link_at(recorder: object, position: int) -> Link | None:
+    """The stored link at ``position`` (one the chain verifier meets out of order)."""
+    links = select_links(recorder, position - 1, position)
+    return links[0] if links else None
+
+
 def _checked_fold(
     app: SchedulerApplication,
     until: Until,
@@ -151,7 +158,7 @@ def _checked_fold(
     """The audit fold over the log, with the chain checked position by position."""
     recorder = app.recorder
     chained = isinstance(recorder, ChainedRecorder)
-    verifier = ChainVerifier(app.chain)
+    verifier = ChainVerifier(app.chain, lookup=lambda at: _link_at(recorder, at))
     if checkpoint is not None:
         verifier.expect(checkpoint)
     snapshots = SnapshotCheck(app)
@@ -225,7 +232,8 @@ def _checked_fold(
             last = page[-1].id
         if chained and not finished:
             for link in select_links(recorder, last, stop):
-                verifier.feed(None, link)  # links after the last event: events deleted
+                verifier.feed(None, link)  # links after the last event: deleted, or strays
+            verifier.finish()
         try:
             audit.finish()
         except Exception as error:  # pragma: no cover - a tampered history
