@@ -8,6 +8,8 @@ against its stored link: an edit of an event saved after the plant is still repo
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from secondbox_scheduler.domain.audit.chain import Chain, ChainedEvent, ChainVerifier, Link
@@ -21,16 +23,16 @@ FAR = 10**9
 
 def _execute(
     store: Store, server: PostgresServer | None, statement: str, *params: object
-) -> list[tuple[object, ...]]:
+) -> list[tuple[Any, ...]]:
     """Raw SQL on the store's tables, behind the application's back (on PostgreSQL as
     the administrator, who may write the chain table)."""
     if store.kind == "sqlite":
         import sqlite3
         from contextlib import closing
 
-        with closing(sqlite3.connect(store.env["SQLITE_DBNAME"])) as connection, connection:
+        with closing(sqlite3.connect(store.env["SQLITE_DBNAME"])) as lite, lite:
             text = statement.format(events="stored_events", p="rowid", chain="stored_events_chain")
-            return connection.execute(text, params).fetchall()
+            return lite.execute(text, params).fetchall()
     import psycopg
 
     assert server is not None

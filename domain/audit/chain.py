@@ -225,7 +225,7 @@ class ChainVerifier:
         if not hmac.compare_digest(expected, link.digest):
             what = "its stored fields or its link were changed"
             if link.previous != expected_previous:
-                what = f"its link claims to follow position {link.previous}"
+                what += f"; checked against the link it names, at position {link.previous}"
             self.findings.append(
                 Finding(position, "edited", f"digest mismatch: the event differs ({what})")
             )

@@ -67,7 +67,7 @@ class LogTimes(FoldState):
                 latest = latest + self.MAX_CLOCK_SKEW
         floor = self._latest_floor
         if floor is not None and latest < floor:
-            self._time_went_back(event, latest)
+            self._time_went_back(event, latest, earliest != latest)
         elif self._latest is not None and earliest <= self._latest:
             return
         self._latest = earliest
@@ -76,17 +76,19 @@ class LogTimes(FoldState):
         self._latest_event = event
         self._latest_stream = self._stream
 
-    def _time_went_back(self, event: Any, latest: datetime) -> None:
+    def _time_went_back(self, event: Any, latest: datetime, request_dated: bool) -> None:
         assert self._latest is not None
-        back = self._latest - latest
+        then = f"recorded at {latest.isoformat()}"
+        if request_dated:
+            then = f"dated by a request, the clock then at most {latest.isoformat()}"
         self._violate_at(
             self._latest_position,
             self._latest_event,
             self._latest_stream,
             "time-order",
             f"recorded at {self._latest.isoformat()}, later than the next event "
-            f"#{self.position} {type(event).__qualname__} (recorded at {latest.isoformat()}"
-            f" at the latest) by {_duration(back)}: more than the largest clock tolerance "
+            f"#{self.position} {type(event).__qualname__} ({then}) by "
+            f"{_duration(self._latest - latest)}: more than the largest clock tolerance "
             f"{_duration(self.MAX_CLOCK_SKEW)} (an event from the future, or the next one "
             "dated in the past)",
         )
