@@ -21,6 +21,7 @@ from secondbox_scheduler.domain.lease import RunnerLease
 from secondbox_scheduler.domain.limits import MAX_CLOCK_TOLERANCE, MAX_HEARTBEAT_TIMEOUT
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.infrastructure import SchedulerApplication
+from secondbox_scheduler.infrastructure.audit.log_fold import fold
 from secondbox_scheduler.infrastructure.audit.verify import verify
 from tests.conftest import Clock
 from tests.factories import RUNTIME, create_sandbox, materialization, register, schedule_request
@@ -57,25 +58,30 @@ def _time_order(app: SchedulerApplication) -> list[int]:
     return [v.position for v in report.violations]
 
 
-def test_a_heartbeat_from_the_future_is_named_when_the_log_goes_on(
+def test_a_heartbeat_from_the_future_is_named_by_the_clock_and_by_the_log_going_on(
     sqlite: SchedulerApplication, clock: Clock
 ) -> None:
     app = sqlite
     register(app, "r1", at=clock())
     future = clock() + timedelta(days=365)
     planted = _renewal(app, "r1", future, future)
-    assert _time_order(app) == []  # nothing after it yet: no time has gone backwards
+    # audit verify: later than the auditor's clock (the application's) + the tolerance
+    report = verify(app, measure_raw=False)
+    assert [(v.position, v.rule) for v in report.violations] == [(planted, "time-order")]
+    assert "later than the auditor's clock" in report.violations[0].detail
+    assert fold(app).violations == []  # the fold alone has no clock, and nothing follows
     clock.advance(minutes=10)
     assert app.record_heartbeat(runner_id="r1", at=clock()) == "stale"
     create_sandbox(app, "s1")  # the silent runner is still fresh, by the planted heartbeat
     app.schedule(schedule_request("s1", clock()))
-    report = verify(app, measure_raw=False)
-    assert [(v.position, v.rule) for v in report.violations] == [(planted, "time-order")]
-    violation = report.violations[0]
-    assert violation.aggregate == "RunnerLease r1"
-    assert violation.event == "RunnerLease.LivenessRenewed"
-    assert f"#{planted + 1} Sandbox.Created" in violation.detail
-    assert "365.0 days" in violation.detail
+    for violations in (verify(app, measure_raw=False).violations, fold(app).violations):
+        assert [(v.position, v.rule) for v in violations] == [(planted, "time-order")]
+        assert violations[0].aggregate == "RunnerLease r1"
+        assert violations[0].event == "RunnerLease.LivenessRenewed"
+    detail = fold(app).violations[0].detail
+    assert f"later than the next event #{planted + 1} Sandbox.Created" in detail
+    assert "365.0 days" in detail
+    assert "from the future" in detail
 
 
 def test_each_event_from_the_future_is_a_finding_of_its_own(
@@ -134,20 +140,30 @@ def test_a_request_dated_the_largest_tolerance_back_is_no_finding(
         app.close()
 
 
-def test_an_event_dated_in_the_past_shows_as_time_going_backwards(
+def test_an_event_dated_in_the_past_is_named_when_the_log_goes_on_later(
     sqlite: SchedulerApplication, clock: Clock
 ) -> None:
-    """The rule names the later-dated event of the pair and the next one in its
-    detail: here the event before the backdated one."""
     app = sqlite
     register(app, "r1", at=clock())
     clock.advance(hours=1)
     before = _renewal(app, "r1", clock(), clock())
     backdated = _drain(app, "r1", clock() - timedelta(hours=1))
     register(app, "r2", at=clock())
-    report = verify(app, measure_raw=False)
-    assert [(v.position, v.rule) for v in report.violations] == [(before, "time-order")]
-    assert f"#{backdated} Runner.DrainStarted" in report.violations[0].detail
+    for violations in (verify(app, measure_raw=False).violations, fold(app).violations):
+        assert [(v.position, v.rule) for v in violations] == [(backdated, "time-order")]
+        assert f"earlier than the event before it #{before} " in violations[0].detail
+        assert "dated in the past" in violations[0].detail
+
+
+def test_an_event_dated_in_the_past_at_the_end_of_the_log_is_named(
+    sqlite: SchedulerApplication, clock: Clock
+) -> None:
+    app = sqlite
+    register(app, "r1", at=clock())
+    clock.advance(hours=1)
+    _renewal(app, "r1", clock(), clock())
+    backdated = _drain(app, "r1", clock() - timedelta(hours=1))
+    assert _time_order(app) == [backdated]
 
 
 # -- caller times before the clock - the largest heartbeat timeout ----------------------

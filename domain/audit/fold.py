@@ -125,6 +125,7 @@ class AuditFold(RunnerChecks, SandboxChecks, LogTimes):
 
     def finish(self) -> list[Violation]:
         """At the end of the log: an unpaired part of a transaction is a violation too."""
+        self._finish_times()
         if self.pending is not None:
             pending, self.pending = self.pending, None
             self._unpaired(pending, "before the end of the log")

@@ -1,6 +1,6 @@
 """Times along the log (docs/spec.md, section 6a): the scheduler's clock, as the events
 record it, does not go backwards along the notification log by more than the largest
-clock tolerance.
+clock tolerance, and no event is recorded later than the auditor's clock plus it.
 
 Every event records a reading of the clock: its timestamp (``create_sandbox``, the
 lifecycle commands, a heartbeat's recording time), or, for an event dated by a request
@@ -8,13 +8,18 @@ lifecycle commands, a heartbeat's recording time), or, for an event dated by a r
 within the configured tolerance of the clock), the clock beside it (a placement's
 ``clock``) or else only a window of the largest tolerance around its timestamp. Writers
 on several hosts commit in an order that their clocks (kept within the tolerance of
-each other, NTP) follow within the tolerance. So an event recorded later than a next
-event's recording time by more than the largest tolerance (``MAX_CLOCK_TOLERANCE``,
-300 s) is a finding (rule ``time-order``), named at the later-dated event, the next one
-named in the detail: an event written "from the future" (a heartbeat a year ahead
-appended through the save function keeps a silent runner fresh), or one dated in the
-past after it. The check then goes on from the next event's time, so each such event
-is one finding, and a second one later in the log is found too.
+each other, NTP) follow within the tolerance. Rule ``time-order``, each event named at
+its own position:
+
+- an event recorded later than the auditor's clock (when the fold is given one:
+  ``audit verify`` gives the application's) by more than the largest tolerance
+  (``MAX_CLOCK_TOLERANCE``, 300 s): written "from the future" (a heartbeat a year ahead
+  appended through the save function keeps a silent runner fresh);
+- an event recorded later than the next event by more than the largest tolerance: from
+  the future too, when the event after the next one is as early as the next one (the
+  log went on at the earlier time); else the next event is the odd one, dated in the
+  past (also at the end of the log). The check then goes on from the time the log went
+  on at, so each such event is one finding, and a later one is found too.
 """
 
 from __future__ import annotations
@@ -27,6 +32,23 @@ from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
 from secondbox_scheduler.domain.refusals import RefusalLog
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.sandbox import Sandbox
+
+
+class _Mark:
+    """An event's clock reading, with what names it in a finding."""
+
+    __slots__ = ("earliest", "event", "floor", "latest", "position", "stream")
+
+    def __init__(
+        self, position: int, event: Any, stream: Stream | None, earliest: datetime,
+        latest: datetime, skew: timedelta,
+    ) -> None:  # fmt: skip
+        self.position = position
+        self.event = event
+        self.stream = stream
+        self.earliest = earliest  # the earliest the clock can have read (== latest, usually)
+        self.latest = latest
+        self.floor = earliest - skew  # a later event may be recorded this early at the least
 
 
 class LogTimes(FoldState):
@@ -46,13 +68,9 @@ class LogTimes(FoldState):
 
     def __init__(self) -> None:
         super().__init__()
-        # The latest clock reading the log has shown so far (its earliest possible value
-        # for a request-dated event), and the event that showed it.
-        self._latest: datetime | None = None
-        self._latest_floor: datetime | None = None  # _latest - the largest tolerance
-        self._latest_position = 0
-        self._latest_event: Any = None
-        self._latest_stream: Stream | None = None
+        self.auditor_clock: datetime | None = None  # set by the caller: the clock now
+        self._high: _Mark | None = None  # the latest reading the log has gone on from
+        self._back: _Mark | None = None  # the event after it that went back, judged next
 
     def _log_time(self, event: Any) -> None:
         earliest = latest = event.timestamp
@@ -65,33 +83,68 @@ class LogTimes(FoldState):
             else:
                 earliest = latest - self.MAX_CLOCK_SKEW
                 latest = latest + self.MAX_CLOCK_SKEW
-        floor = self._latest_floor
-        if floor is not None and latest < floor:
-            self._time_went_back(event, latest, earliest != latest)
-        elif self._latest is not None and earliest <= self._latest:
-            return
-        self._latest = earliest
-        self._latest_floor = earliest - self.MAX_CLOCK_SKEW
-        self._latest_position = self.position
-        self._latest_event = event
-        self._latest_stream = self._stream
+        auditor = self.auditor_clock
+        if auditor is not None and earliest - self.MAX_CLOCK_SKEW > auditor:
+            self._violate(
+                "time-order",
+                f"recorded at {earliest.isoformat()}, later than the auditor's clock "
+                f"{auditor.isoformat()} by {_duration(earliest - auditor)}: more than the "
+                f"largest clock tolerance {_duration(self.MAX_CLOCK_SKEW)} (an event from "
+                "the future)",
+            )
+            return  # the events after it are not compared with it
+        high = self._high
+        if high is not None and (latest >= high.floor or self._back is not None):
+            if self._back is not None:
+                high = self._judge(latest)
+            if latest >= high.floor:
+                if earliest > high.earliest:
+                    self._high = _Mark(
+                        self.position, event, self._stream, earliest, latest,
+                        self.MAX_CLOCK_SKEW,
+                    )  # fmt: skip
+                return
+        mark = _Mark(self.position, event, self._stream, earliest, latest, self.MAX_CLOCK_SKEW)
+        if high is None:
+            self._high = mark
+        else:
+            self._back = mark  # went back: judged by the event after it
 
-    def _time_went_back(self, event: Any, latest: datetime, request_dated: bool) -> None:
-        assert self._latest is not None
-        then = f"recorded at {latest.isoformat()}"
-        if request_dated:
-            then = f"dated by a request, the clock then at most {latest.isoformat()}"
+    def _judge(self, latest: datetime | None) -> _Mark:
+        """The event that went back below the high mark, judged by the reading of the
+        event after it (None: the log ends): which of the two is the odd one."""
+        high, back = self._high, self._back
+        assert high is not None
+        assert back is not None
+        self._back = None
+        if latest is not None and latest < high.floor:  # the log went on at the earlier time
+            self._report(high, back, "later than the next event", "the next one")
+            self._high = back
+            return back
+        self._report(back, high, "earlier than the event before it", "the one before it")
+        return high
+
+    def _report(self, odd: _Mark, other: _Mark, how: str, whose: str) -> None:
+        then = f"recorded at {other.latest.isoformat()}"
+        if other.earliest != other.latest:
+            then = f"dated by a request, the clock then at most {other.latest.isoformat()}"
+        when = odd.earliest if how.startswith("later") else odd.latest
+        gap = abs(when - (other.latest if how.startswith("later") else other.earliest))
         self._violate_at(
-            self._latest_position,
-            self._latest_event,
-            self._latest_stream,
+            odd.position,
+            odd.event,
+            odd.stream,
             "time-order",
-            f"recorded at {self._latest.isoformat()}, later than the next event "
-            f"#{self.position} {type(event).__qualname__} ({then}) by "
-            f"{_duration(self._latest - latest)}: more than the largest clock tolerance "
-            f"{_duration(self.MAX_CLOCK_SKEW)} (an event from the future, or the next one "
-            "dated in the past)",
+            f"recorded at {when.isoformat()}, {how} #{other.position} "
+            f"{type(other.event).__qualname__} ({then}) by {_duration(gap)}: more than the "
+            f"largest clock tolerance {_duration(self.MAX_CLOCK_SKEW)} (the log goes on at "
+            f"the time of {whose}: an event "
+            f"{'from the future' if how.startswith('later') else 'dated in the past'})",
         )
+
+    def _finish_times(self) -> None:
+        if self._back is not None:
+            self._judge(None)
 
 
 def _duration(value: timedelta) -> str:

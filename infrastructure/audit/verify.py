@@ -163,6 +163,7 @@ def _checked_fold(
         verifier.expect(checkpoint)
     snapshots = SnapshotCheck(app)
     audit = AuditFold()
+    audit.auditor_clock = app.now()  # no event is recorded later (rule time-order)
     decode = EventDecoder(app.mapper)
     stop = until if isinstance(until, int) else None
     after_time = until if isinstance(until, datetime) else None
