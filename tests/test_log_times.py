@@ -151,7 +151,7 @@ def test_an_event_dated_in_the_past_is_named_when_the_log_goes_on_later(
     register(app, "r2", at=clock())
     for violations in (verify(app, measure_raw=False).violations, fold(app).violations):
         assert [(v.position, v.rule) for v in violations] == [(backdated, "time-order")]
-        assert f"earlier than the event before it #{before} " in violations[0].detail
+        assert f"earlier than an event before it #{before} " in violations[0].detail
         assert "dated in the past" in violations[0].detail
 
 

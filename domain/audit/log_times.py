@@ -121,7 +121,7 @@ class LogTimes(FoldState):
             self._report(high, back, "later than the next event", "the next one")
             self._high = back
             return back
-        self._report(back, high, "earlier than the event before it", "the one before it")
+        self._report(back, high, "earlier than an event before it", "the events before it")
         return high
 
     def _report(self, odd: _Mark, other: _Mark, how: str, whose: str) -> None:
