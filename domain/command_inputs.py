@@ -43,18 +43,24 @@ def near_clock(field: str, value: datetime, now: datetime, tolerance: timedelta)
         )
 
 
-def check_heartbeat_time(at: datetime, now: datetime, tolerance: timedelta) -> None:
-    """docs/spec.md (section 6a): a heartbeat's ``at`` no later than clock + tolerance and
-    no earlier than clock - the largest heartbeat timeout (one that old cannot make a
-    runner fresh for any sandbox; a stored time far in the past broke later reads)."""
-    not_after_clock("at", at, now, tolerance)
-    if at < now - MAX_HEARTBEAT_TIMEOUT:
+def not_long_before_clock(field: str, value: datetime, now: datetime) -> None:
+    """docs/spec.md (section 6a): no caller-supplied time earlier than clock - the
+    largest heartbeat timeout (one that old cannot make a runner fresh for any sandbox,
+    and a stored time far in the past broke later reads)."""
+    if value < now - MAX_HEARTBEAT_TIMEOUT:
         raise InvalidRequestError(
-            "at",
+            field,
             f"must not be earlier than the scheduler's clock - the largest heartbeat "
             f"timeout {seconds_text(MAX_HEARTBEAT_TIMEOUT)} (clock {now.isoformat()}, got "
-            f"{at.isoformat()})",
+            f"{value.isoformat()})",
         )
+
+
+def check_heartbeat_time(at: datetime, now: datetime, tolerance: timedelta) -> None:
+    """docs/spec.md (section 6a): a heartbeat's ``at`` no later than clock + tolerance and
+    no earlier than clock - the largest heartbeat timeout."""
+    not_after_clock("at", at, now, tolerance)
+    not_long_before_clock("at", at, now)
 
 
 def check_request_times(request: ScheduleRequest, now: datetime, tolerance: timedelta) -> None:
@@ -68,6 +74,7 @@ def check_request_times(request: ScheduleRequest, now: datetime, tolerance: time
     not_after_clock("plan_ready_at", request.plan_ready_at, now, tolerance)
     for name in ("claim_expires_at", "operation_deadline"):
         value = getattr(request, name)
+        not_long_before_clock(name, value, now)
         if value - request.now > MAX_DEADLINE_AHEAD:
             raise InvalidRequestError(
                 name, f"must be at most {seconds_text(MAX_DEADLINE_AHEAD)} after now", value

@@ -184,17 +184,22 @@ def test_stored_times_of_any_year_read_back_and_sort_as_times() -> None:
     assert sorted(texts) == texts  # type: ignore[type-var]
 
 
-def test_a_far_past_claim_expiry_of_the_python_api_leaves_the_reads_working(
+def test_a_far_past_claim_expiry_is_refused_and_the_earliest_accepted_reads_back(
     store: Store, clock: Clock
 ) -> None:
-    """The Python API does not refuse a claim expiry earlier than ``now`` (docs/spec.md,
-    section 9); the read models store and read it back like any other time."""
+    """docs/spec.md (sections 6a and 9): a claim expiry earlier than the clock - the
+    largest heartbeat timeout is refused; one as early as that (before ``now``) is
+    stored, and the read models read it back like any other time."""
+    from secondbox_scheduler.domain.errors import InvalidRequestError
+    from secondbox_scheduler.domain.limits import MAX_HEARTBEAT_TIMEOUT
     from tests.factories import create_sandbox, schedule_request
 
     app = store.open()
     register(app, "r1", at=clock())
     create_sandbox(app, "s1")
-    far_past = clock().replace(year=1)
-    app.schedule(schedule_request("s1", clock(), claim_expires_at=far_past))
-    assert [a.claim_expires_at for a in app.assignments("s1")] == [far_past]
+    with pytest.raises(InvalidRequestError):
+        app.schedule(schedule_request("s1", clock(), claim_expires_at=clock().replace(year=1)))
+    earliest = clock() - MAX_HEARTBEAT_TIMEOUT
+    app.schedule(schedule_request("s1", clock(), claim_expires_at=earliest))
+    assert [a.claim_expires_at for a in app.assignments("s1")] == [earliest]
     assert [a.sandbox_id for a in app.runner_assignments("r1")] == ["s1"]

@@ -4,7 +4,8 @@
 - events hidden from the audit at positions <= 0;
 - a snapshot forged with a seal computed from public data (unkeyed chain);
 - the chain poisoned by one far-future link (keyed chain too);
-- the read models and their tracking positions rewritten.
+- the read models and their tracking positions rewritten;
+- a heartbeat from the future appended through the save function.
 
 The request-serving role writes the history only through the schema owner's functions
 and holds no INSERT, UPDATE, DELETE or TRUNCATE on any table; the read models are
@@ -15,6 +16,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -24,10 +26,12 @@ from psycopg import errors
 from psycopg.conninfo import make_conninfo
 
 from secondbox_scheduler.domain.audit.chain import Chain
-from secondbox_scheduler.domain.ids import runner_uuid
+from secondbox_scheduler.domain.ids import lease_uuid, runner_uuid
+from secondbox_scheduler.domain.lease import OBSERVED_STALE, RunnerLease
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit.verify import verify
+from secondbox_scheduler.infrastructure.store.postgres_chain_sql import unnested
 from secondbox_scheduler.infrastructure.store.roles import grant
 from tests.conftest import Clock, PostgresSchema
 from tests.factories import capacity, create_sandbox, register, schedule_request
@@ -379,3 +383,49 @@ def test_the_read_models_are_written_by_the_projector_role_alone(
         ):
             with pytest.raises(errors.InsufficientPrivilege), connection.transaction():
                 connection.execute(statement)
+
+
+def test_a_heartbeat_from_the_future_appended_through_the_function_is_reported(
+    postgres_schema: PostgresSchema, roles: Roles, clock: Clock
+) -> None:
+    """docs/spec.md (section 6a): the application role appends, through the granted
+    ``<events>_append``, a heartbeat whose time and recording time are a year ahead. The
+    silent runner keeps receiving placements (its real heartbeats are dropped as stale),
+    and ``audit verify`` names the heartbeat from the future (rule ``time-order``)."""
+    env = _granted(postgres_schema, roles)
+    app = SchedulerApplication(env=env, now=clock)
+    projector = _projector(postgres_schema, roles)
+    future = clock() + timedelta(days=365)
+    try:
+        register(app, "r1", at=clock(), allocatable=capacity(instances=4))
+        assert projector.read_models is not None
+        projector.read_models.catch_up()
+        lease: RunnerLease = app.repository.get(lease_uuid("r1"))
+        lease.trigger_event(RunnerLease.LivenessRenewed, timestamp=future, at=future)
+        stored = [app.mapper.to_stored_event(e) for e in lease.collect_events()]
+        with _connect(postgres_schema, roles.app) as connection:
+            connection.execute(
+                f"SELECT * FROM {_table(postgres_schema, 'events')}_append("
+                "%s::uuid[], %s::bigint[], %s::text[], %s::bytea[], '5s')",
+                unnested(stored),
+            )
+        planted = app.head_position()
+        clock.advance(hours=2)  # the runner is silent: its last real heartbeat is 2 h old
+        assert app.record_heartbeat(runner_id="r1", at=clock()) == OBSERVED_STALE
+        projector.read_models.catch_up()
+        assert create_sandbox(app, "s1") == "r1"
+        app.schedule(schedule_request("s1", clock()))  # placed on a silent runner
+    finally:
+        app.close()
+        projector.close()
+    auditor = SchedulerApplication(
+        env={"SECONDBOX_DATABASE_URL": _url(postgres_schema, roles.auditor),
+             "SECONDBOX_READ_MODELS": "off"}
+    )  # fmt: skip
+    try:
+        report = verify(auditor, measure_raw=False)
+    finally:
+        auditor.close()
+    assert not report.ok
+    assert [(v.position, v.rule) for v in report.violations] == [(planted, "time-order")]
+    assert "RunnerLease r1" in report.violations[0].aggregate

@@ -129,7 +129,7 @@ class Finding:
     """Something wrong with the stored log at ``position``."""
 
     position: int
-    kind: str  # edited, unchained, deleted, relinked, truncated, rewritten, snapshot
+    kind: str  # edited, unchained, deleted, stray-link, truncated, rewritten, snapshot
     detail: str
 
     def __str__(self) -> str:
@@ -160,16 +160,29 @@ class Checkpoint:
 
 @dataclass
 class ChainVerifier:
-    """Feed it every position of the log in order (:meth:`feed`), then :meth:`finish`."""
+    """Feed it every position of the log in order (:meth:`feed`), then :meth:`finish`.
+
+    It never stops checking: after a bad, missing or extra link it resynchronises on the
+    next stored link and checks every later event's digest against it, against the
+    link that link names as its previous (``lookup`` finds one that is not the last
+    link fed: a link planted ahead of the log, which every later save then follows).
+    A link at a position with no event is judged by the link after it: followed, it
+    is the link of a deleted event (``deleted``); passed over, or past the log's end
+    and not continuing the chain, it is a link of its own (``stray-link``), named once.
+    """
 
     chain: Chain
+    lookup: Callable[[int], Link | None] = lambda _: None  # the stored link at a position
     findings: list[Finding] = field(default_factory=list)
     unchained_until: int = 0  # the last position of the unchained prefix (0: none)
-    head: Link | None = None  # the last link seen
+    head: Link | None = None  # the last link of the chain (a stray link is not one)
     last_position: int = 0  # the last position with an event or a link
     links_checked: int = 0
     _positions: dict[int, bytes] = field(default_factory=dict)
     _digests: dict[bytes, bool] = field(default_factory=dict)
+    _orphan: Link | None = None  # a link without its event, judged by the next link
+    _looked_up: dict[int, Link | None] = field(default_factory=dict)
+    _strays: set[int] = field(default_factory=set)  # stray links already named
 
     def expect(self, checkpoint: Checkpoint | bytes) -> None:
         """Before the log: remember what :meth:`check` will need for ``checkpoint``."""
@@ -183,51 +196,113 @@ class ChainVerifier:
         self.last_position = max(self.last_position, position)
         if link is None:
             assert event is not None
-            if self.head is None:
+            if self.head is None and self._orphan is None:
                 self.unchained_until = position
             else:
                 self.findings.append(
                     Finding(position, "unchained", "an event without a chain link (inserted?)")
                 )
             return
+        if self._orphan is not None:
+            self._judge_orphan(link)
         if event is None:
-            self.findings.append(
-                Finding(position, "deleted", "a chain link without its event (event deleted)")
-            )
-            self._advance(link)
+            self._orphan = link
             return
         expected_previous = 0 if self.head is None else self.head.position
-        if self.head is not None and link.previous > expected_previous:
+        if link.previous == expected_previous:
+            prior: Link | None = self.head
+        elif link.previous == 0:
+            prior = None  # it claims to be the first link
+        else:
+            prior = self._link_at(link.previous)
+            if prior is None:
+                self._missing(position, link, expected_previous)
+                self._advance(link)  # resynchronised: the next link is checked against it
+                return
+            if link.previous > position:
+                self._stray(prior, f"the link of the event at position {position} follows it")
+        expected = self.chain.digest(prior, event)
+        if not hmac.compare_digest(expected, link.digest):
+            what = "its stored fields or its link were changed"
+            if link.previous != expected_previous:
+                what += f"; checked against the link it names, at position {link.previous}"
+            self.findings.append(
+                Finding(position, "edited", f"digest mismatch: the event differs ({what})")
+            )
+        elif link.previous < expected_previous:
             self.findings.append(
                 Finding(
-                    link.previous,
-                    "deleted",
-                    f"the link at position {position} follows position {link.previous}, "
-                    f"which is missing (events deleted after position {expected_previous})",
+                    position,
+                    "edited",
+                    f"its link follows position {link.previous}, not the link before it at "
+                    f"position {expected_previous} (links reordered or forked)",
                 )
             )
-            self._advance(link)
-            return
-        expected = self.chain.digest(self.head, event)
-        if not hmac.compare_digest(expected, link.digest):
-            if self.head is None and link.previous != 0:
-                detail = (
-                    f"the first link follows position {link.previous}, which is missing "
-                    "(the start of the chain was deleted)"
-                )
-                self.findings.append(Finding(link.previous, "deleted", detail))
-            else:
-                what = "its stored fields or its link were changed"
-                if link.previous != expected_previous:
-                    what = f"its link claims to follow position {link.previous}"
-                self.findings.append(
-                    Finding(position, "edited", f"digest mismatch: the event differs ({what})")
-                )
         self._advance(link)
+
+    def finish(self) -> None:
+        """After the log: judge a link without its event at the end."""
+        if self._orphan is not None:
+            self._judge_orphan(None)
+
+    def _judge_orphan(self, following: Link | None) -> None:
+        """A link without its event, judged by the link that follows it (None: none)."""
+        orphan, self._orphan = self._orphan, None
+        assert orphan is not None
+        continues = orphan.previous == (0 if self.head is None else self.head.position)
+        if (following is not None and following.previous == orphan.position) or (
+            following is None and continues and orphan.position not in self._strays
+        ):
+            detail = "a chain link without its event (event deleted)"
+            if following is None:
+                detail = "a chain link without its event at the end of the log (event deleted)"
+            self.findings.append(Finding(orphan.position, "deleted", detail))
+            self._advance(orphan)
+            return
+        self._stray(orphan, "no later link follows it")
+
+    def _stray(self, link: Link, why: str) -> None:
+        if link.position in self._strays:
+            return
+        self._strays.add(link.position)
+        self._seen(link)
+        self.findings.append(
+            Finding(
+                link.position,
+                "stray-link",
+                f"a chain link at position {link.position} (following position "
+                f"{link.previous}) with no event at that position: {why} (a link inserted; "
+                "every later event is still checked against its own link)",
+            )
+        )
+
+    def _missing(self, position: int, link: Link, expected_previous: int) -> None:
+        if self.head is None:
+            detail = (
+                f"the first link follows position {link.previous}, which is missing "
+                "(the start of the chain was deleted)"
+            )
+        else:
+            detail = (
+                f"the link at position {position} follows position {link.previous}, "
+                f"which is missing (events deleted after position {expected_previous})"
+            )
+        self.findings.append(Finding(link.previous, "deleted", detail))
+
+    def _link_at(self, position: int) -> Link | None:
+        if position not in self._looked_up:
+            if len(self._looked_up) > 1024:  # a few planted links, or a rewritten chain
+                self._looked_up.clear()
+            self._looked_up[position] = self.lookup(position)
+        return self._looked_up[position]
 
     def _advance(self, link: Link) -> None:
         self.links_checked += 1
         self.head = link
+        self._seen(link)
+
+    def _seen(self, link: Link) -> None:
+        """A stored link, for :meth:`check` (a checkpoint may name any stored link)."""
         if link.position in self._positions:
             self._positions[link.position] = link.digest
         if link.digest in self._digests:

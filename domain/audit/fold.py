@@ -18,7 +18,9 @@ it checks the invariants of docs/spec.md (section 7) that the event could break:
 Every event class the aggregates record (:mod:`secondbox_scheduler.domain.event_catalogue`)
 is accounted for: checked by the handler :attr:`AuditFold.HANDLERS` names for it, or
 ignored for the reason :attr:`AuditFold.IGNORED` gives. An event of any other class is
-a finding (rule ``unknown-event``), never skipped in silence.
+a finding (rule ``unknown-event``), never skipped in silence. Along the log, the clock
+readings the events record do not go backwards by more than the largest clock tolerance
+(rule ``time-order``, :mod:`~secondbox_scheduler.domain.audit.log_times`).
 
 The plain state and :class:`~secondbox_scheduler.domain.audit.state.Violation` are in
 :mod:`~secondbox_scheduler.domain.audit.state`; the handlers of runner and lease events
@@ -34,6 +36,7 @@ from typing import Any, ClassVar
 
 from eventsourcing.utils import get_topic
 
+from secondbox_scheduler.domain.audit.log_times import LogTimes
 from secondbox_scheduler.domain.audit.runner_checks import RunnerChecks
 from secondbox_scheduler.domain.audit.sandbox_checks import SandboxChecks
 from secondbox_scheduler.domain.audit.state import WANTED, Pending, Violation
@@ -45,7 +48,7 @@ from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.domain.values import RunnerSnapshot
 
 
-class AuditFold(RunnerChecks, SandboxChecks):
+class AuditFold(RunnerChecks, SandboxChecks, LogTimes):
     """Replays events in log order into plain state and reports every broken promise."""
 
     # Every event class the fold checks, and the name of its handler.
@@ -118,6 +121,7 @@ class AuditFold(RunnerChecks, SandboxChecks):
             handler(event)
         elif type(event) not in self.IGNORED:
             self._unknown(event)
+        self._log_time(event)
         self._versions(event)
         if len(self.violations) == found_before:
             return []
@@ -127,6 +131,7 @@ class AuditFold(RunnerChecks, SandboxChecks):
         """At the end of the log: an unpaired part of a transaction is a violation too.
         At a cut (``--until``), ``after`` is the event just past it: a cut may fall
         inside a transaction, whose other part is then that event."""
+        self._finish_times()
         if self.pending is not None:
             pending, self.pending = self.pending, None
             if after is None:

@@ -167,12 +167,16 @@ class FoldState:
         self.events = 0
 
     def _violate(self, rule: str, detail: str) -> None:
-        event = self._current
+        self._violate_at(self.position, self._current, self._stream, rule, detail)
+
+    def _violate_at(
+        self, position: int, event: Any, stream: Stream | None, rule: str, detail: str
+    ) -> None:
+        """A violation at ``position``, named by its event and the stream it is in."""
         names = self._names.get(type(event))
         if names is None:
             name = type(event).__qualname__
             names = self._names[type(event)] = (name, name.split(".")[0])
-        stream = self._stream
         runner = stream.runner if stream else None
         lease = stream.lease if stream else None
         sandbox = stream.sandbox if stream else None
@@ -180,9 +184,7 @@ class FoldState:
             runner.runner_id if runner else lease.runner_id if lease
             else sandbox.sandbox_id if sandbox else str(event.originator_id)
         )  # fmt: skip
-        self.violations.append(
-            Violation(self.position, f"{names[1]} {label}", names[0], rule, detail)
-        )
+        self.violations.append(Violation(position, f"{names[1]} {label}", names[0], rule, detail))
 
     def _of(self, stream_id: UUID | None) -> Stream:
         """The state of a stream named by an index (empty when there is none)."""

@@ -22,6 +22,7 @@ from secondbox_scheduler.domain.audit.chain import (
     ChainVerifier,
     Checkpoint,
     Finding,
+    Link,
 )
 from secondbox_scheduler.domain.audit.fold import AuditFold
 from secondbox_scheduler.domain.audit.state import Violation
@@ -143,6 +144,12 @@ def verify(
     return AuditReport(audit.events, seconds, raw_seconds, audit.position, violations, chain)
 
 
+def _link_at(recorder: object, position: int) -> Link | None:
+    """The stored link at ``position`` (one the chain verifier meets out of order)."""
+    links = select_links(recorder, position - 1, position)
+    return links[0] if links else None
+
+
 def _checked_fold(
     app: SchedulerApplication,
     until: Until,
@@ -152,11 +159,12 @@ def _checked_fold(
     """The audit fold over the log, with the chain checked position by position."""
     recorder = app.recorder
     chained = isinstance(recorder, ChainedRecorder)
-    verifier = ChainVerifier(app.chain)
+    verifier = ChainVerifier(app.chain, lookup=lambda at: _link_at(recorder, at))
     if checkpoint is not None:
         verifier.expect(checkpoint)
     snapshots = SnapshotCheck(app)
     audit = AuditFold(compact=True)
+    audit.auditor_clock = app.now()  # no event is recorded later (rule time-order)
     decode = EventDecoder(app.mapper)
     stop = until if isinstance(until, int) else None
     after_time = until if isinstance(until, datetime) else None
@@ -227,7 +235,8 @@ def _checked_fold(
             last = page[-1].id
         if chained and not finished:
             for link in select_links(recorder, last, stop):
-                verifier.feed(None, link)  # links after the last event: events deleted
+                verifier.feed(None, link)  # links after the last event: deleted, or strays
+            verifier.finish()
         try:
             # a cut may fall inside a transaction: the event past it may complete it
             past = event if finished else None if stop is None else event_after(app, last)
