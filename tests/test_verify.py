@@ -18,9 +18,6 @@ from secondbox_scheduler.infrastructure.tools.fault_injection import (
     FaultRunConfig,
     run_fault_injection,
 )
-from secondbox_scheduler.infrastructure.tools.fault_injection.insider import (
-    TIMES_ALONG_THE_LOG_GAP,
-)
 from secondbox_scheduler.infrastructure.tools.fault_injection.probes import (
     audit_probes,
     guard_probes,
@@ -58,10 +55,7 @@ def test_concurrent_replicas_with_kills_keep_every_promise(
         profile="adversarial",
     )
     report = run_fault_injection(config)
-    # the one known gap (docs/verification.md, "The insider phase"): until audit verify
-    # checks the times along the log, a future heartbeat with a future event time is missed
-    unexpected = [v for v in report.violations if TIMES_ALONG_THE_LOG_GAP not in v]
-    assert unexpected == [], report.violations
+    assert report.violations == []
     assert report.faults == 0, report.to_dict()  # a healthy system: no exception at all
     assert report.kills == 3
     outcomes = {attempt["outcome"] for attempt in report.insider}

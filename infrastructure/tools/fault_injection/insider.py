@@ -63,11 +63,11 @@ REFUSED, REPORTED, MISSED = "refused", "reported", "missed"
 LOCK_TIMEOUT_MS = 300  # the other writer's write lock timeout during the held lock
 IDLE_TIMEOUT_SECONDS = 2.0  # the role's idle_in_transaction_session_timeout (db grant)
 STATEMENT_SLACK_SECONDS = 5.0  # backoff, reads, a loaded machine
-# what the log's times must show for a forged future heartbeat with a future event time;
-# a gap until ``audit verify`` checks the times along the log
+# why a forged future heartbeat with a future event time is missed, if it ever is: the
+# times along the log (audit rule time-order) must report it
 TIMES_ALONG_THE_LOG_GAP = (
-    "gap: audit verify has no check of the times along the log on this branch (an event "
-    "time a year ahead, then an honest one, passes)"
+    "missed: audit verify reported no time-order finding at the forged event (an event "
+    "time a year ahead, then an honest one)"
 )
 
 
