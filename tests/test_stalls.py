@@ -54,6 +54,16 @@ def _url(schema: PostgresSchema, role: str) -> str:
     return f"postgresql://{role}@{server.host}:{server.port}/{server.dbname}?schema={schema.name}"
 
 
+def _app_env(schema: PostgresSchema, roles: Roles, **settings: str) -> dict[str, str]:
+    """The request-serving role's settings: it writes no read model (docs/operations.md:
+    the projector role keeps them), so its queries fold the aggregates."""
+    return {
+        "SECONDBOX_DATABASE_URL": _url(schema, roles.app),
+        "SECONDBOX_READ_MODELS": "off",
+        **settings,
+    }
+
+
 def _connect(
     schema: PostgresSchema, role: str, application_name: str = ""
 ) -> psycopg.Connection[tuple[object, ...]]:
@@ -139,15 +149,14 @@ def test_a_writer_waits_at_most_the_lock_timeout_for_a_session_that_holds_the_lo
     postgres_schema: PostgresSchema, roles: Roles, clock: Clock, held_by: str
 ) -> None:
     _granted(postgres_schema, roles)
-    env = {
-        "SECONDBOX_DATABASE_URL": _url(postgres_schema, roles.app),
-        "SECONDBOX_WRITE_LOCK_TIMEOUT_MS": "100",
-    }
+    env = _app_env(postgres_schema, roles, SECONDBOX_WRITE_LOCK_TIMEOUT_MS="100")
     app = SchedulerApplication(env=env, now=clock)
     try:
         register(app, "r1", at=clock())
         create_sandbox(app, "s1")
-        with _connect(postgres_schema, roles.app) as hold:
+        # held by a role that may write the table (the owner, an operator's session): the
+        # application role may take neither (tests/test_red_team.py, the insider phase)
+        with _connect(postgres_schema, roles.owner) as hold:
             hold.autocommit = False
             events = f'"{postgres_schema.name}".{EVENTS}'
             if held_by == "lock function":
@@ -182,10 +191,10 @@ def test_db_grant_sets_an_idle_in_transaction_timeout_for_the_application_and_au
         with _connect(postgres_schema, role) as connection:
             row = connection.execute("SHOW idle_in_transaction_session_timeout").fetchone()
             assert row == ("1s",), role
-    # a session of the application role that takes the lock and idles loses it
+    # a session of the application role that opens a transaction and idles loses it
     with _connect(postgres_schema, roles.app) as hold:
         hold.autocommit = False
-        hold.execute(f'SELECT "{postgres_schema.name}".{EVENTS}_lock()')
+        hold.execute(f'SELECT count(*) FROM "{postgres_schema.name}".{EVENTS}')
         # the server ends the session: its socket turns readable (the error, then EOF)
         readable, _, _ = select.select([hold.fileno()], [], [], HOLD_BOUND_SECONDS)
         assert readable, "the idle transaction was never ended"
@@ -198,10 +207,7 @@ def test_a_start_up_lock_held_elsewhere_times_out_naming_its_holder(
 ) -> None:
     _granted(postgres_schema, roles)
     key = zlib.crc32(f"secondbox-scheduler schema {postgres_schema.name}".encode())
-    env = {
-        "SECONDBOX_DATABASE_URL": _url(postgres_schema, roles.app),
-        "SECONDBOX_STARTUP_LOCK_TIMEOUT_MS": "200",
-    }
+    env = _app_env(postgres_schema, roles, SECONDBOX_STARTUP_LOCK_TIMEOUT_MS="200")
     with _connect(postgres_schema, roles.auditor, "nosy-auditor") as hold:
         hold.execute("SELECT pg_advisory_lock(%s)", (key,))
         pid = hold.info.backend_pid
@@ -223,9 +229,7 @@ def test_a_row_planted_at_the_next_snapshot_version_never_fails_a_save(
     postgres_schema: PostgresSchema, roles: Roles, clock: Clock, planted: str
 ) -> None:
     _granted(postgres_schema, roles)
-    app = SchedulerApplication(
-        env={"SECONDBOX_DATABASE_URL": _url(postgres_schema, roles.app)}, now=clock
-    )
+    app = SchedulerApplication(env=_app_env(postgres_schema, roles), now=clock)
     snapshots = f'"{postgres_schema.name}".schedulerapplication_snapshots'
     try:
         room = {"vcpu_count": 128, "memory_bytes": 256 * 2**30, "disk_bytes": 2000 * 2**30}
@@ -237,7 +241,8 @@ def test_a_row_planted_at_the_next_snapshot_version_never_fails_a_save(
         ahead = range(versions[stream] + 1, versions[stream] + 40)
         lease_ahead = range(versions[lease] + 1, versions[lease] + 30)
         plants = [(stream, v) for v in ahead] + [(lease, v) for v in lease_ahead]
-        with _connect(postgres_schema, roles.app) as attacker:
+        # planted by a role that may write the tables (the application role may not)
+        with _connect(postgres_schema, roles.owner) as attacker:
             for stream_id, at in plants:
                 if planted == "seal":
                     attacker.execute(
@@ -266,9 +271,7 @@ def test_a_row_planted_at_the_next_snapshot_version_never_fails_a_save(
         assert app.fold_runner("r1").reserved.instances == 30
     finally:
         app.close()
-    again = SchedulerApplication(
-        env={"SECONDBOX_DATABASE_URL": _url(postgres_schema, roles.app)}, now=clock
-    )
+    again = SchedulerApplication(env=_app_env(postgres_schema, roles), now=clock)
     try:  # a fresh replica refuses the planted rows and loads the runner from its events
         assert again.get_runner("r1").reserved.instances == 30
     finally:
