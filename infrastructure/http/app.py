@@ -24,7 +24,7 @@ from secondbox_scheduler.infrastructure.http.request_metrics import (
     RequestMetrics,
     request_histogram,
 )
-from secondbox_scheduler.infrastructure.metrics import PrometheusMetrics
+from secondbox_scheduler.infrastructure.prometheus_export import PrometheusMetrics
 from secondbox_scheduler.infrastructure.settings import (
     DEFAULT_READY_MAX_LAG,
     READY_MAX_LAG,
