@@ -301,7 +301,7 @@ def test_serve_says_in_one_line_when_it_cannot_start(tmp_path: Path) -> None:
     unreachable = CliRunner().invoke(
         cli, ["serve", "--database-url", "postgresql://postgres@127.0.0.1:1/postgres"]
     )
-    assert unreachable.exit_code == 2
+    assert unreachable.exit_code == 4  # store unavailable
     assert unreachable.stderr.count("\n") == 1
     assert "store unavailable" in unreachable.stderr
     assert "connection refused" in unreachable.stderr

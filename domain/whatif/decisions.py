@@ -13,11 +13,11 @@ events that record a decision.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-import json
 from typing import Any
 
 try:

@@ -17,6 +17,7 @@ from secondbox_scheduler.infrastructure.cli.common import (
     DatabaseUrl,
     JsonOutput,
     fail,
+    needs_extra,
     open_store,
     reported_errors,
     store_errors,
@@ -82,6 +83,7 @@ def serve(
     ] = "warning",
     as_json: JsonOutput = False,
 ) -> None:
+    needs_extra("server", "serve")
     from prometheus_client import (
         CollectorRegistry,
         GCCollector,

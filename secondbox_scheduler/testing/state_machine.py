@@ -219,7 +219,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 supported_egress_contexts=("default",),
             )  # fmt: skip
         except AlreadyExistsError:
-            assert known is not None and not identical
+            assert known is not None
+            assert not identical
             self.reached("register: already registered")
             return
         if not created:
