@@ -379,7 +379,7 @@ def test_every_http_read_answers_for_every_sandbox_and_runner(history: History) 
                         continue
                     body = response.json()  # a document, whatever the status
                     if response.status_code == 404:
-                        code = body["error"]["code"]
+                        code = body["code"]
                         assert code in NOT_FOUND, (url, body)
                         subject = url.split("?")[0].split("/")[3]
                         if code != "assignment_not_found":  # the subject itself is gone
