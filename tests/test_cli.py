@@ -149,17 +149,17 @@ def test_same_seed_gives_the_same_summary(simulated: Simulated, tmp_path: Path) 
         assert again[key] == simulated.summary[key]
 
 
-def test_fresh_replaces_the_database(tmp_path: Path) -> None:
+def test_a_rerun_replaces_the_database_simulate_created(tmp_path: Path) -> None:
     url = url_for(tmp_path)
     first = invoke_json("simulate", "--database-url", url, *TINY)
     second = invoke_json("simulate", "--database-url", url, *TINY)
     assert second["events_in_store"] == second["events_written"] == first["events_written"]
 
 
-def test_no_fresh_appends_under_a_run_prefix(tmp_path: Path) -> None:
+def test_append_adds_under_a_run_prefix(tmp_path: Path) -> None:
     url = url_for(tmp_path)
     first = invoke_json("simulate", "--database-url", url, *TINY)
-    second = invoke_json("simulate", "--database-url", url, *TINY, "--no-fresh")
+    second = invoke_json("simulate", "--database-url", url, *TINY, "--append")
     assert second["events_written"] > 0
     assert second["events_in_store"] == first["events_written"] + second["events_written"]
     prefix = f"run{first['events_written']}-"
