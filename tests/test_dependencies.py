@@ -151,8 +151,9 @@ class Imports(ast.NodeVisitor):
         for child in node.body:
             self.visit(child)
         self._guarded -= guards
-        for child in (*node.handlers, *node.orelse, *node.finalbody):
-            self.visit(child)
+        rest: list[ast.AST] = [*node.handlers, *node.orelse, *node.finalbody]
+        for other in rest:
+            self.visit(other)
 
     def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
         self._depth += 1
