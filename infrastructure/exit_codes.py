@@ -14,7 +14,8 @@ code  name                 when
 3     refused by a rule    the scheduler refused the command (not found, stale fence,
                            conflict, no compatible runner, contention past the retries)
 4     store unavailable    the store cannot be reached, opened or used (no such SQLite
-                           file, connection refused, timeout, a database error)
+                           file, connection refused, timeout, a database error, a read
+                           model ahead of the log: ``projections rebuild``)
 70    internal error       a fault of the scheduler (``SECONDBOX_DEBUG=1`` shows the
                            traceback; please report it)
 130   interrupted          Ctrl-C
@@ -31,6 +32,7 @@ from eventsourcing.persistence import PersistenceError
 from secondbox_scheduler.domain.errors import InvalidRequestError, SchedulerError
 from secondbox_scheduler.infrastructure.extras import MissingExtraError
 from secondbox_scheduler.infrastructure.store.startup import StoreUnavailableError
+from secondbox_scheduler.projections.read_models import ReadModelAheadError
 
 EXIT_OK = 0
 EXIT_VIOLATION = 1
@@ -66,7 +68,7 @@ def exit_code_of(error: BaseException) -> int | None:
         return error.exit_code
     if isinstance(error, (InvalidRequestError, MissingExtraError)):
         return EXIT_USAGE
-    if isinstance(error, (StoreUnavailableError, PersistenceError)):
+    if isinstance(error, (StoreUnavailableError, PersistenceError, ReadModelAheadError)):
         return EXIT_STORE_UNAVAILABLE
     if isinstance(error, SchedulerError):
         return EXIT_REFUSED
