@@ -206,11 +206,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(runner_id=st.sampled_from(RUNNER_IDS), instances=st.integers(1, 3))
     def register(self, runner_id: str, instances: int) -> None:
         allocatable = offering(instances, self.every_dimension_tight)
-        known = self.runners.get(runner_id)
-        # the identical registration of a registered runner is a no-op; any other of a
-        # taken id (a deregistered runner's too) is refused
-        identical = known is not None and not known.deregistered
-        identical = identical and known is not None and known.allocatable == allocatable
+        known = self.runners.get(runner_id)  # identical: a no-op; else a taken id refused
+        same = known is not None and not known.deregistered and known.allocatable == allocatable
         try:
             created = self.app.register_runner(
                 runner_id=runner_id, pool_name="pool-a", backend_kind="firecracker",
@@ -219,12 +216,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 supported_egress_contexts=("default",),
             )  # fmt: skip
         except AlreadyExistsError:
-            assert known is not None
-            assert not identical
-            self.reached("register: already registered")
-            return
+            created = None
         if not created:
-            assert identical
+            assert (known is not None, created is False) == (True, same)
             self.reached("register: already registered")
             return
         assert runner_id not in self.runners
