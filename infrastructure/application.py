@@ -17,11 +17,10 @@ import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from eventsourcing.persistence import IntegrityError
 from eventsourcing.utils import EnvType, strtobool
-from prometheus_client import CollectorRegistry
 
 from secondbox_scheduler.domain.command_inputs import (
     as_capacity,
@@ -65,7 +64,7 @@ from secondbox_scheduler.domain.values import (
     require_text,
 )
 from secondbox_scheduler.infrastructure.counters import SchedulerMetrics
-from secondbox_scheduler.infrastructure.metrics import PrometheusMetrics, measured
+from secondbox_scheduler.infrastructure.metrics import measured
 from secondbox_scheduler.infrastructure.placing.batch import PlacementBatch
 from secondbox_scheduler.infrastructure.placing.batcher import (
     DEFAULT_BATCH_SIZE,
@@ -74,6 +73,11 @@ from secondbox_scheduler.infrastructure.placing.batcher import (
 from secondbox_scheduler.infrastructure.placing.runner_locks import RunnerLocks
 from secondbox_scheduler.infrastructure.queries import SchedulerQueries
 from secondbox_scheduler.infrastructure.refusal_recording import RefusalRecorder
+from secondbox_scheduler.infrastructure.registration import (
+    checked_registration,
+    registered_runner,
+    registered_so,
+)
 from secondbox_scheduler.infrastructure.retrying import COMMAND_RETRY_LIMIT, Retrying, StaleRead
 from secondbox_scheduler.infrastructure.settings import (
     CLOCK_TOLERANCE_SECONDS,
@@ -91,6 +95,10 @@ from secondbox_scheduler.projections.read_models import (
     supports_read_models,
 )
 
+if TYPE_CHECKING:  # prometheus-client: the [server] extra, or the embedder's own
+    from prometheus_client import CollectorRegistry
+
+    from secondbox_scheduler.infrastructure.prometheus_export import PrometheusMetrics
 T = TypeVar("T")
 
 DEFAULT_LEASE_RENEWAL = timedelta(seconds=10)
@@ -162,6 +170,8 @@ class SchedulerApplication(StoredApplication):
         """Export the metrics of this application (:mod:`.metrics`) to ``registry`` (a new
         one if None; pass ``prometheus_client.REGISTRY`` for the process-wide one), from
         now on; read-model lag and the log head are read at each scrape."""
+        from secondbox_scheduler.infrastructure.prometheus_export import PrometheusMetrics
+
         exporter = PrometheusMetrics(registry)
         exporter.watch(self._read_model_status, self.head_position, self.probe_store)
         self.metrics.sink = exporter
@@ -219,43 +229,24 @@ class SchedulerApplication(StoredApplication):
         guest_protocol_minimum: int,
         guest_protocol_maximum: int,
         supported_egress_contexts: Iterable[str] = (),
-    ) -> None:
-        """Register a runner host. Refuses an id that is already registered."""
-        require_text("runner_id", runner_id)
-        require_text("pool_name", pool_name)
-        require_text("architecture", architecture)
-        checked = RunnerSnapshot(
-            id=runner_id,
-            pool_name=pool_name,
-            backend_kind=backend_kind,
-            architecture=architecture,
-            capabilities=as_collection("capabilities", capabilities),
-            allocatable=allocatable,
-            guest_protocol_minimum=guest_protocol_minimum,
-            guest_protocol_maximum=guest_protocol_maximum,
-            supported_egress_contexts=as_collection(
-                "supported_egress_contexts", supported_egress_contexts
-            ),
-        )
+    ) -> bool:
+        """Register a runner host; True when this call registered it. The identical
+        registration of a registered runner is a no-op (False); another registration of a
+        taken id is refused (AlreadyExistsError): :mod:`.registration`."""
+        checked = checked_registration(
+            runner_id, pool_name, backend_kind, architecture, capabilities, allocatable,
+            guest_protocol_minimum, guest_protocol_maximum, supported_egress_contexts,
+        )  # fmt: skip
         at = self.now()
-        runner = Runner.register(
-            runner_id=runner_id,
-            pool_name=pool_name,
-            backend_kind=checked.backend_kind,
-            architecture=architecture,
-            capabilities=checked.capabilities,
-            allocatable=checked.allocatable,
-            guest_protocol_minimum=checked.guest_protocol_minimum,
-            guest_protocol_maximum=checked.guest_protocol_maximum,
-            supported_egress_contexts=checked.supported_egress_contexts,
-            at=at,
-        )
         try:
-            self.save(runner, RunnerLease.open(runner_id, at))
+            self.save(registered_runner(checked, at), RunnerLease.open(runner_id, at))
         except WriteTimeoutError:  # a lock held elsewhere: contention, not a registration
             raise SerializationContentionError(1, f"runner {runner_id!r}") from None
         except IntegrityError:
+            if registered_so(self.fold_runner, checked):
+                return False
             raise AlreadyExistsError(f"runner {runner_id!r} is already registered") from None
+        return True
 
     @measured("record_heartbeat")
     def record_heartbeat(

@@ -24,7 +24,10 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-import orjson
+try:
+    import orjson
+except ImportError:  # without the [fast] extra: the json module's way (same values)
+    orjson = None  # type: ignore[assignment]
 from eventsourcing.persistence import (
     DatetimeAsISO,
     JSONTranscoder,
@@ -51,7 +54,8 @@ class EventDecoder:
         self._topics: dict[str, tuple[type[Any], Convert, int] | None] = {}
         transcoder = getattr(mapper, "transcoder", None)
         self.lean = (
-            type(mapper).to_domain_event is Mapper.to_domain_event
+            orjson is not None  # else the mapper decodes every event
+            and type(mapper).to_domain_event is Mapper.to_domain_event
             and not mapper.cipher
             and not mapper.compressor
             and isinstance(transcoder, JSONTranscoder)

@@ -133,19 +133,27 @@ def schedule_body(
     return body
 
 
+PROBLEM_TYPE = "tag:secondbox-scheduler,2026:problem/"
+PROBLEM_MEMBERS = {"type", "title", "status", "detail", "instance", "request_id", "code",
+                   "retryable", "field", "rule", "reason", "reasons"}  # fmt: skip
+
+
 def error_of(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
-    """The error detail of ``response``, checked to have the API's shape, status and code."""
+    """The problem details of ``response`` (RFC 9457), checked to have the API's shape,
+    status and code; with ``message`` (the ``detail``) beside them, as the tests read it."""
     assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("application/json")
-    body = response.json()
-    assert set(body) == {"error"}, body
-    detail: dict[str, Any] = body["error"]
-    assert {"code", "message", "retryable"} <= set(detail), detail
-    assert detail["code"] == code, detail
-    assert detail["retryable"] is (status == 503)
+    assert response.headers["content-type"] == "application/problem+json"
+    body: dict[str, Any] = response.json()
+    assert {"type", "title", "status", "detail", "code", "retryable"} <= set(body), body
+    assert set(body) <= PROBLEM_MEMBERS, body
+    assert body["type"] == PROBLEM_TYPE + code, body
+    assert body["status"] == status, body
+    assert body["code"] == code, body
+    assert body["retryable"] is (status == 503)
+    assert body["instance"] == response.request.url.raw_path.decode().split("?")[0]
     if status == 503:
         assert int(response.headers["retry-after"]) >= 1
-    return detail
+    return {**body, "message": body["detail"]}
 
 
 @contextmanager

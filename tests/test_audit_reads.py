@@ -176,7 +176,7 @@ def invoke(
     command reads the store the fixture opened for it, as the command opens it (opening
     is what costs, and is tested in test_cli.py); ``reopen``: it opens the store itself.
     ``absent``: the subject may not exist (a sandbox whose creation was refused, a
-    deregistered runner), answered as the HTTP API answers a typed 404: exit code 2 and
+    deregistered runner), answered as the HTTP API answers a typed 404: exit code 3 and
     one line ``error: ... not found`` (None is returned)."""
     extra = ["--json"] if as_json else []
 
@@ -189,7 +189,7 @@ def invoke(
                 stack.enter_context(mock.patch.object(module, "open_store", shared))
         result = RUNNER.invoke(cli, [*args, "--database-url", history.url, *extra])
     assert "unexpected" not in result.output, (args, result.output)
-    if absent and result.exit_code == 2:
+    if absent and result.exit_code == 3:
         assert result.output.startswith("error:"), (args, result.output)
         assert "not found" in result.output, (args, result.output)
         assert not result.stdout.strip(), (args, result.stdout)
@@ -379,7 +379,7 @@ def test_every_http_read_answers_for_every_sandbox_and_runner(history: History) 
                         continue
                     body = response.json()  # a document, whatever the status
                     if response.status_code == 404:
-                        code = body["error"]["code"]
+                        code = body["code"]
                         assert code in NOT_FOUND, (url, body)
                         subject = url.split("?")[0].split("/")[3]
                         if code != "assignment_not_found":  # the subject itself is gone

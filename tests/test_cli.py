@@ -149,17 +149,17 @@ def test_same_seed_gives_the_same_summary(simulated: Simulated, tmp_path: Path) 
         assert again[key] == simulated.summary[key]
 
 
-def test_fresh_replaces_the_database(tmp_path: Path) -> None:
+def test_a_rerun_replaces_the_database_simulate_created(tmp_path: Path) -> None:
     url = url_for(tmp_path)
     first = invoke_json("simulate", "--database-url", url, *TINY)
     second = invoke_json("simulate", "--database-url", url, *TINY)
     assert second["events_in_store"] == second["events_written"] == first["events_written"]
 
 
-def test_no_fresh_appends_under_a_run_prefix(tmp_path: Path) -> None:
+def test_append_adds_under_a_run_prefix(tmp_path: Path) -> None:
     url = url_for(tmp_path)
     first = invoke_json("simulate", "--database-url", url, *TINY)
-    second = invoke_json("simulate", "--database-url", url, *TINY, "--no-fresh")
+    second = invoke_json("simulate", "--database-url", url, *TINY, "--append")
     assert second["events_written"] > 0
     assert second["events_in_store"] == first["events_written"] + second["events_written"]
     prefix = f"run{first['events_written']}-"
@@ -261,7 +261,7 @@ def test_runners_of_one_pool(simulated: Simulated) -> None:
 
 def test_runners_without_a_database_fails_in_one_line(tmp_path: Path) -> None:
     result = invoke("runners", "--database-url", url_for(tmp_path, "missing.db"))
-    assert result.exit_code == 2
+    assert result.exit_code == 4  # the store is unavailable
     assert "no database" in result.stderr
     assert result.stdout == ""
     assert not (tmp_path / "missing.db").exists()
@@ -321,9 +321,9 @@ def test_assignments_needs_exactly_one_of_sandbox_or_runner(
     assert "exactly one of --sandbox" in result.output
 
 
-def test_assignments_of_an_unknown_sandbox_is_one_line_exit_2(simulated: Simulated) -> None:
+def test_assignments_of_an_unknown_sandbox_is_one_line_exit_3(simulated: Simulated) -> None:
     result = invoke("assignments", "--sandbox", "no-such", "--database-url", simulated.url)
-    assert result.exit_code == 2
+    assert result.exit_code == 3  # refused by a rule: the sandbox must exist
     assert "not found" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert "Traceback" not in result.output

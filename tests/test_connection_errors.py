@@ -2,7 +2,7 @@
 
 Unknown host, refused connection, missing database, refused role and a server that
 never answers each get their own error (``StoreUnavailableError`` with a ``reason``)
-within the connect timeout, from the API and, as one line and exit code 2, from the
+within the connect timeout, from the API and, as one line and exit code 4, from the
 command line; so do a SQLite path that is not a database and one that cannot be opened.
 """
 
@@ -120,7 +120,7 @@ def test_the_command_line_says_which_failure_in_one_line(
             capture_output=True, text=True, timeout=60,
             env={"PATH": "/usr/bin:/bin", "POSTGRES_CONNECT_TIMEOUT": str(TIMEOUT_SECONDS)},
         )  # fmt: skip
-        assert result.returncode == 2, (reason, result.stderr)
+        assert result.returncode == 4, (reason, result.stderr)  # store unavailable
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1, (reason, result.stderr)
         found[reason] = lines[0]
@@ -149,6 +149,6 @@ def test_the_command_line_refuses_a_text_file_as_a_database_in_one_line(tmp_path
          "--database-url", f"sqlite:///{text}"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert result.returncode == 2
+    assert result.returncode == 4  # store unavailable
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "Traceback" not in result.stderr

@@ -1,5 +1,5 @@
 """The HTTP/JSON API over a real uvicorn server and a real HTTP client, on SQLite and
-PostgreSQL: the commands and queries, idempotent retries, one error shape with the
+PostgreSQL: the commands and queries, idempotent retries, problem details with the
 statuses a client acts on (422, 404, 409, 503 with Retry-After), and nothing written by
 a refused request."""
 

@@ -148,7 +148,7 @@ def schedule_twice(
         # reservation would be a lost race answered as a refusal: the scheduler decides
         # that one again (`holds`), as tests/test_races.py shows with the exact
         # interleaving; here, the refusal must name only a drain or capacity.
-        refusal = next(r for r in responses if r.status_code == 409).json()["error"]
+        refusal = next(r for r in responses if r.status_code == 409).json()
         assert refusal["code"] == "home_runner_unavailable", refusal
         reasons = set(refusal["reasons"])
         assert reasons, refusal
@@ -165,7 +165,7 @@ def schedule_twice(
     if 409 in statuses:
         assert statuses == [409, 409], "a lost race is never answered as a refusal"
         for response in responses:
-            tally.refused[response.json()["error"]["code"]] += 1
+            tally.refused[response.json()["code"]] += 1
         return None
     assignments: list[dict[str, Any]] = [r.json()["assignment"] for r in responses]
     assert assignments[0] == assignments[1], "both replicas answer the one assignment"
@@ -188,7 +188,7 @@ def worker(tally: Tally, bases: list[str], index: int) -> None:
                 tally, "create", partial(a.post, "/v1/sandboxes", json=sandbox_body(sandbox_id))
             )
             if made.status_code == 409:
-                tally.refused[made.json()["error"]["code"]] += 1
+                tally.refused[made.json()["code"]] += 1
                 continue
             for generation in range(1, GENERATIONS + 1):
                 assignment = schedule_twice(tally, [a, b], sandbox_id, generation)
@@ -301,7 +301,7 @@ def test_serve_says_in_one_line_when_it_cannot_start(tmp_path: Path) -> None:
     unreachable = CliRunner().invoke(
         cli, ["serve", "--database-url", "postgresql://postgres@127.0.0.1:1/postgres"]
     )
-    assert unreachable.exit_code == 2
+    assert unreachable.exit_code == 4  # store unavailable
     assert unreachable.stderr.count("\n") == 1
     assert "store unavailable" in unreachable.stderr
     assert "connection refused" in unreachable.stderr

@@ -3,7 +3,7 @@
 Each value past a documented limit, or of a kind no store can hold, is refused with an
 ``InvalidRequestError`` that names the field and the rule, and nothing is written:
 on both stores, through the API; and the command line answers any input with one line
-and exit code 2, never a traceback.
+and its exit code (2 a usage error, 3 refused by a rule), never a traceback.
 """
 
 from __future__ import annotations
@@ -197,21 +197,24 @@ def test_odd_text_anywhere_is_refused_by_name(
     assert app.event_count() == before
 
 
+# (the arguments, the exit code: 2 a usage error, 3 refused by a rule)
 @pytest.mark.parametrize(
-    "args",
+    ("args", "code"),
     [
-        ["audit", "state", "--at", "99999999999999999999999"],
-        ["audit", "state", "--at", "not-a-time\x1b[2J"],
-        ["runners", "--pool", "\x1b[31mred"],
-        ["assignments", "--sandbox", "x" * 5000],
-        ["audit", "explain", "--sandbox", b"s\xff"],  # not UTF-8: a lone surrogate in argv
-        ["release", "--sandbox", "s1", "--generation", "1", "--token", "zz", "--proof", "a=b"],
-        ["release", "--sandbox", "s1", "--generation", "99999999999999999999", "--token",
-         "00" * 32, "--proof", "a=b"],
+        (["audit", "state", "--at", "99999999999999999999999"], 2),
+        (["audit", "state", "--at", "not-a-time\x1b[2J"], 2),
+        (["runners", "--pool", "\x1b[31mred"], 2),
+        (["assignments", "--sandbox", "x" * 5000], 2),
+        (["audit", "explain", "--sandbox", b"s\xff"], 2),  # not UTF-8: a lone surrogate
+        (["release", "--sandbox", "s1", "--generation", "1", "--token", "zz", "--proof", "a=b"],
+         2),
+        # no sandbox s1: refused before the generation matters
+        (["release", "--sandbox", "s1", "--generation", "99999999999999999999", "--token",
+          "00" * 32, "--proof", "a=b"], 3),
     ],
 )  # fmt: skip
 def test_the_command_line_answers_hostile_input_in_one_line(
-    tmp_path: Path, clock: Clock, args: list[str | bytes]
+    tmp_path: Path, clock: Clock, args: list[str | bytes], code: int
 ) -> None:
     url = f"sqlite:///{tmp_path / 's.db'}"
     app = SchedulerApplication(env={"SECONDBOX_DATABASE_URL": url}, now=clock)
@@ -222,7 +225,7 @@ def test_the_command_line_answers_hostile_input_in_one_line(
          "--database-url", url],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert result.returncode == 2, result.stderr
+    assert result.returncode == code, result.stderr
     assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "\x1b[2J" not in result.stderr

@@ -305,5 +305,5 @@ def test_a_query_on_a_read_model_ahead_of_the_log_answers_503(store: Store, cloc
         move_positions(app, TAMPERED_POSITION)
         answer = client.get("/v1/runners/r1")
         assert answer.status_code == 503
-        assert answer.json()["error"]["code"] == "read_model_unavailable"
-        assert "beyond the log's head" in answer.json()["error"]["message"]
+        assert answer.json()["code"] == "read_model_unavailable"
+        assert "beyond the log's head" in answer.json()["detail"]

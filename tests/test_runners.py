@@ -63,12 +63,69 @@ def test_register_accepts_the_seed_capability_map(app: SchedulerApplication, clo
     assert app.get_runner("r1").capabilities == frozenset({"compute", "storage"})
 
 
-def test_register_twice_is_refused(app: SchedulerApplication, clock: Clock) -> None:
-    register(app, "r1", at=clock())
+def test_the_identical_registration_again_is_a_no_op(
+    app: SchedulerApplication, clock: Clock
+) -> None:
+    # as over HTTP (200, created: false): a runner agent retrying its registration after a
+    # lost answer must not fail; nothing is written
+    assert app.register_runner(**registration("r1")) is True
+    before = app.event_count()
+    assert app.register_runner(**registration("r1")) is False
+    reordered = registration("r1", capabilities=sorted(CAPABILITIES, reverse=True))
+    assert app.register_runner(**reordered) is False
+    assert app.event_count() == before
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        {"pool_name": "pool-b"},
+        {"allocatable": capacity(instances=3)},
+        {"capabilities": ["compute"]},
+        {"guest_protocol_maximum": 2},
+        {"supported_egress_contexts": ("default", "corp")},
+    ],
+)
+def test_another_registration_of_a_taken_id_is_refused(
+    app: SchedulerApplication, override: dict[str, Any]
+) -> None:
+    app.register_runner(**registration("r1"))
     before = app.event_count()
     with pytest.raises(AlreadyExistsError):
-        register(app, "r1", at=clock(), heartbeat=False)
+        app.register_runner(**registration("r1", **override))
     assert app.event_count() == before
+
+
+def test_a_deregistered_runners_id_stays_taken(app: SchedulerApplication) -> None:
+    app.register_runner(**registration("r1"))
+    app.deregister_runner("r1")
+    with pytest.raises(AlreadyExistsError):
+        app.register_runner(**registration("r1"))
+
+
+def test_a_changed_allocatable_is_no_longer_the_identical_registration(
+    app: SchedulerApplication,
+) -> None:
+    app.register_runner(**registration("r1"))
+    app.change_allocatable("r1", capacity(instances=3))
+    with pytest.raises(AlreadyExistsError):
+        app.register_runner(**registration("r1"))
+    assert app.register_runner(**registration("r1", allocatable=capacity(instances=3))) is False
+
+
+def registration(runner_id: str, **overrides: Any) -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        "runner_id": runner_id,
+        "pool_name": "pool-a",
+        "backend_kind": "firecracker",
+        "architecture": "x86_64",
+        "capabilities": CAPABILITIES,
+        "allocatable": capacity(),
+        "guest_protocol_minimum": 1,
+        "guest_protocol_maximum": 3,
+        "supported_egress_contexts": ("default",),
+    }
+    return {**fields, **overrides}
 
 
 @pytest.mark.parametrize(

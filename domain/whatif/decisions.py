@@ -13,13 +13,17 @@ events that record a decision.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-import orjson
+try:
+    import orjson
+except ImportError:  # without the [fast] extra: the json module's way (same values)
+    orjson = None  # type: ignore[assignment]
 
 from secondbox_scheduler.domain.errors import (
     EgressContextUnavailableError,
@@ -100,7 +104,10 @@ class Decisions:
     def requirements(self, record: Mapping[str, Any]) -> Requirements:
         """The requirements of a record; equal records share one value (sandboxes of
         one ProfileRevision), so that pool views are found by identity."""
-        key = orjson.dumps(record, option=orjson.OPT_SORT_KEYS)
+        if orjson is not None:
+            key = orjson.dumps(record, option=orjson.OPT_SORT_KEYS)
+        else:
+            key = json.dumps(record, sort_keys=True, default=str).encode()
         found = self.requirement_values.get(key)
         if found is None:
             found = self.requirement_values[key] = Requirements.from_record(record)

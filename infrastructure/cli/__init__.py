@@ -2,9 +2,10 @@
 
 Every command reads the store named by ``--database-url`` (or the
 ``SECONDBOX_DATABASE_URL`` environment variable), prints rich tables for people or,
-with ``--json``, JSON only on stdout. A refusal of the scheduler (any
-:class:`~domain.errors.SchedulerError`) or an unreachable store is one line on
-stderr and exit code 2.
+with ``--json``, JSON only on stdout. An expected failure is one line on stderr and an
+exit code that says its kind (:mod:`..exit_codes`, docs/spec.md (section 8.4)): 1 a
+violation found, 2 a usage error, 3 refused by a rule, 4 the store unavailable, 70 a
+fault of ours.
 
 This module builds the typer app ``cli`` from the command groups, one module each:
 ``simulate``, ``inspection`` (``runners``, ``assignments``), ``faults`` (``verify``),
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Annotated
 
 import typer
 
@@ -32,7 +34,13 @@ from secondbox_scheduler.infrastructure.cli import (
     serve,
     simulate,
 )
-from secondbox_scheduler.infrastructure.cli.common import EXIT_REFUSED, say_error, shown
+from secondbox_scheduler.infrastructure.cli.common import say_error, shown
+from secondbox_scheduler.infrastructure.exit_codes import (
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    exit_code_of,
+)
 from secondbox_scheduler.infrastructure.gc_tuning import tune_gc
 
 __all__ = ["cli", "main"]
@@ -45,11 +53,44 @@ cli = typer.Typer(
         "Start with [bold]secondbox-scheduler simulate[/bold] to fill ./secondbox.db with a "
         "seeded fleet, then look at it with [bold]runners[/bold] and [bold]assignments[/bold]."
     ),
+    epilog=(
+        "[bold]Exit codes[/bold]: 0 ok; 1 a violation found (verify, audit verify, "
+        "projections verify, simulate's ledger check, audit whatif); 2 a usage error (a bad "
+        "option or value, a store simulate may not write into, a missing extra of the "
+        "installation); 3 refused by a rule of the scheduler (not found, stale fence, "
+        "conflict, no compatible runner, contention); 4 the store unavailable; 70 an "
+        "internal error (a fault: please report it). Shell completion: "
+        "--install-completion."
+    ),
     no_args_is_help=True,
-    add_completion=False,
     rich_markup_mode="rich",
     pretty_exceptions_enable=False,
 )
+
+
+def _print_version(wanted: bool) -> None:
+    if wanted:
+        from secondbox_scheduler import __version__
+
+        typer.echo(f"secondbox-scheduler {__version__}")
+        raise typer.Exit()
+
+
+@cli.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_print_version,
+            is_eager=True,
+            help="Print the version and exit.",
+        ),
+    ] = False,
+) -> None:
+    """The options of the command line itself (see --help)."""
+
+
 # The top-level commands, in the order --help lists them; then the command groups.
 cli.registered_commands += [
     *simulate.commands.registered_commands,
@@ -65,27 +106,31 @@ cli.add_typer(db.db_cli, name="db")
 
 
 def main() -> None:
-    """Console-script entry point (``secondbox-scheduler``). Whatever goes wrong, the
-    answer is one line on stderr, never a traceback (``SECONDBOX_DEBUG=1`` shows it):
-    an expected failure is reported by the command itself (exit 2); anything else is a
-    fault of ours, said as such (exit 2 too). The process's garbage collector is tuned
-    first (:mod:`~secondbox_scheduler.infrastructure.gc_tuning`)."""
+    """The command line (the console script's :mod:`..command_line` calls it). Whatever
+    goes wrong, the answer is one line on stderr, never a traceback (``SECONDBOX_DEBUG=1``
+    shows it): an expected failure is reported by the command itself, with the exit code
+    of its kind (:mod:`..exit_codes`); anything else is a fault of ours, said as such
+    (exit 70). The process's garbage collector is tuned first
+    (:mod:`~secondbox_scheduler.infrastructure.gc_tuning`)."""
     try:
         tune_gc()
     except SchedulerError as error:  # a bad SECONDBOX_GC_THRESHOLD
         say_error(shown(str(error)))
-        sys.exit(EXIT_REFUSED)
+        sys.exit(exit_code_of(error) or EXIT_USAGE)
     try:
-        cli()
+        cli(prog_name="secondbox-scheduler")
     except KeyboardInterrupt:
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     except Exception as error:
         if os.environ.get("SECONDBOX_DEBUG"):
             raise
+        code = exit_code_of(error)  # an expected error that a command let through
         say_error(
             shown(
-                f"unexpected {type(error).__name__}: {error} (a fault of the scheduler: "
+                f"{type(error).__name__}: {error}"
+                if code is not None
+                else f"unexpected {type(error).__name__}: {error} (a fault of the scheduler: "
                 "please report it; SECONDBOX_DEBUG=1 shows the traceback)"
             )
         )
-        sys.exit(EXIT_REFUSED)
+        sys.exit(EXIT_INTERNAL if code is None else code)

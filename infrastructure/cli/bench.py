@@ -13,6 +13,7 @@ from rich.table import Table
 from secondbox_scheduler.infrastructure.cli.common import (
     JsonOutput,
     fail,
+    needs_extra,
     print_json,
     reported_errors,
     stdout,
@@ -123,6 +124,7 @@ def bench(
     ] = None,
     as_json: JsonOutput = False,
 ) -> None:
+    needs_extra("bench", "bench")
     if ctx.invoked_subcommand is not None:
         return
     from secondbox_scheduler.infrastructure.tools.bench import (
@@ -153,7 +155,7 @@ def bench(
                 progress=(lambda _: None) if as_json else (lambda m: err.print(f"[dim]{m}…[/dim]")),
             )
     except BenchError as error:
-        fail(escape(str(error)))
+        fail(escape(str(error)), error.exit_code)
     if as_json:
         print_json(report)
     else:

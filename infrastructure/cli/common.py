@@ -1,7 +1,8 @@
 """What every command of the command line shares.
 
 The ``--database-url`` and ``--json`` option types; error reporting (an expected
-failure is one line on stderr and exit code 2, no traceback); opening a store and
+failure is one line on stderr and its exit code, :mod:`..exit_codes`, no traceback);
+opening a store and
 the settings it needs; hiding a URL's password; printing JSON and tables on stdout;
 the number and time formats that several command groups print.
 """
@@ -23,6 +24,14 @@ from rich.segment import Segment
 
 from secondbox_scheduler.domain.errors import SchedulerError
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.exit_codes import (
+    EXIT_REFUSED,
+    EXIT_STORE_UNAVAILABLE,
+    EXIT_USAGE,
+    CommandError,
+    exit_code_of,
+)
+from secondbox_scheduler.infrastructure.extras import MissingExtraError, require_extra
 from secondbox_scheduler.infrastructure.settings import (
     DATABASE_URL,
     READ_MODELS,
@@ -31,7 +40,6 @@ from secondbox_scheduler.infrastructure.settings import (
 )
 
 GIB = 2**30
-EXIT_REFUSED = 2
 PIPE_WIDTH = 160
 
 DatabaseUrl = Annotated[
@@ -49,10 +57,6 @@ JsonOutput = Annotated[
     bool,
     typer.Option("--json", help="Print machine-readable JSON on stdout and nothing else."),
 ]
-
-
-class CommandError(Exception):
-    """A problem of the command's input or environment, reported as one line."""
 
 
 def printable(text: str, *, keep_newlines: bool = False) -> str:
@@ -91,10 +95,10 @@ class SafeConsole(Console):
         )
 
 
-def fail(message: str) -> NoReturn:
-    """Print ``error: message`` on stderr and exit with code 2."""
+def fail(message: str, exit_code: int = EXIT_USAGE) -> NoReturn:
+    """Print ``error: message`` on stderr and exit with ``exit_code`` (a usage error)."""
     say_error(message)
-    raise typer.Exit(EXIT_REFUSED)
+    raise typer.Exit(exit_code)
 
 
 def say_error(message: str) -> None:
@@ -106,13 +110,23 @@ def say_error(message: str) -> None:
 
 @contextmanager
 def reported_errors() -> Iterator[None]:
-    """Turn expected failures into one line on stderr and exit code 2 (no traceback)."""
+    """Turn expected failures into one line on stderr and their exit code (no
+    traceback): 2 usage, 3 refused by a rule, 4 store unavailable (:mod:`..exit_codes`)."""
     try:
         yield
-    except (SchedulerError, CommandError) as error:
-        fail(escape(str(error)))
+    except (SchedulerError, CommandError, MissingExtraError) as error:
+        fail(escape(str(error)), exit_code_of(error) or EXIT_REFUSED)
     except PersistenceError as error:
-        fail(escape(f"database error: {type(error).__name__}: {error}"))
+        fail(escape(f"database error: {type(error).__name__}: {error}"), EXIT_STORE_UNAVAILABLE)
+
+
+def needs_extra(extra: str, command: str) -> None:
+    """Exit with the usage code, after one line naming the extra, unless the
+    installation has ``extra`` (:mod:`..extras`)."""
+    try:
+        require_extra(extra, f"secondbox-scheduler {command}")
+    except MissingExtraError as error:
+        fail(escape(str(error)), EXIT_USAGE)
 
 
 @contextmanager
@@ -122,7 +136,9 @@ def store_errors(database_url: str) -> Iterator[None]:
         yield
     except PersistenceError as error:
         detail = f"{type(error).__name__}: {error}".strip()
-        raise CommandError(f"database error on {redact_url(database_url)}: {detail}") from None
+        raise CommandError(
+            f"database error on {redact_url(database_url)}: {detail}", EXIT_STORE_UNAVAILABLE
+        ) from None
 
 
 def store_env(database_url: str) -> dict[str, str]:
@@ -141,7 +157,8 @@ def open_store(
     if must_exist and path is not None and not path.exists():
         raise CommandError(
             f"no database at {path} ({database_url}); run `secondbox-scheduler simulate` "
-            "first or pass --database-url"
+            "first or pass --database-url",
+            EXIT_STORE_UNAVAILABLE,
         )
     with store_errors(database_url):
         env = store_env(database_url)

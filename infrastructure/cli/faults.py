@@ -9,13 +9,13 @@ from rich.console import Console
 from rich.markup import escape
 
 from secondbox_scheduler.infrastructure.cli.common import (
-    CommandError,
     JsonOutput,
     print_json,
     reported_errors,
     stdout,
     store_errors,
 )
+from secondbox_scheduler.infrastructure.exit_codes import CommandError
 from secondbox_scheduler.infrastructure.settings import DATABASE_URL
 
 # This module's top-level commands; the package's __init__ adds them to the app `cli`.

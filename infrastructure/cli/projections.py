@@ -21,7 +21,6 @@ from rich.table import Table
 
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.cli.common import (
-    CommandError,
     DatabaseUrl,
     JsonOutput,
     open_store,
@@ -31,6 +30,7 @@ from secondbox_scheduler.infrastructure.cli.common import (
     store_env,
     store_errors,
 )
+from secondbox_scheduler.infrastructure.exit_codes import CommandError
 from secondbox_scheduler.infrastructure.read_model_verify import VerifyReport, verify_read_models
 from secondbox_scheduler.infrastructure.settings import (
     DEFAULT_SQLITE_URL,

@@ -17,6 +17,7 @@ from secondbox_scheduler.infrastructure.cli.common import (
     DatabaseUrl,
     JsonOutput,
     fail,
+    needs_extra,
     open_store,
     reported_errors,
     store_errors,
@@ -75,13 +76,21 @@ def serve(
         ),
     ] = 2**20,  # body_limit.DEFAULT_MAX_BODY_BYTES (not imported here: a slow import)
     access_log: Annotated[
-        bool, typer.Option("--access-log", help="Log every request on stderr (uvicorn).")
+        bool,
+        typer.Option(
+            "--access-log",
+            help="Log every request on stderr, one JSON line each (request id, actor, route "
+            "template, status, outcome, latency; never a header, query or body), whatever "
+            "--log-level says. Without it only the 5xx answers are logged.",
+        ),
     ] = False,
     log_level: Annotated[
-        str, typer.Option("--log-level", help="uvicorn's log level (stderr).")
+        str,
+        typer.Option("--log-level", help="Level of the server's own log lines (JSON, stderr)."),
     ] = "warning",
     as_json: JsonOutput = False,
 ) -> None:
+    needs_extra("server", "serve")
     from prometheus_client import (
         CollectorRegistry,
         GCCollector,
@@ -91,6 +100,7 @@ def serve(
     )
 
     from secondbox_scheduler.infrastructure.http import create_app
+    from secondbox_scheduler.infrastructure.http.request_log import log_config
     from secondbox_scheduler.infrastructure.http.server import (
         base_url,
         listening_socket,
@@ -117,6 +127,7 @@ def serve(
             registry=registry,
             max_read_model_lag=max_read_model_lag,
             max_body_bytes=max_body_bytes,
+            access_log=access_log,
         )
         try:
             sock = listening_socket(host, port)
@@ -132,7 +143,8 @@ def serve(
         # uvicorn shuts down gracefully on SIGTERM, then raises it again: end then with
         # exit code 0 and the store closed, as after Ctrl-C (which exits with 130).
         signal.signal(signal.SIGTERM, _exit_cleanly)
-        make_server(app, sock, log_level=log_level, access_log=access_log).run(sockets=[sock])
+        server = make_server(app, sock, log_level=log_level, log_config=log_config(log_level))
+        server.run(sockets=[sock])
     finally:
         scheduler.close()
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated
 
 import typer
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -21,6 +23,7 @@ from secondbox_scheduler.infrastructure.cli.common import (
     DatabaseUrl,
     JsonOutput,
     gib,
+    open_store,
     print_json,
     reported_errors,
     stdout,
@@ -35,6 +38,15 @@ from secondbox_scheduler.infrastructure.tools.simulation import (
     SimulationConfig,
     SimulationResult,
     run_simulation,
+)
+from secondbox_scheduler.infrastructure.tools.simulation.store_guard import (
+    APPEND,
+    FRESH,
+    REPLACE,
+    delete_store,
+    inspect_store,
+    mark_store,
+    plan_run,
 )
 
 # This module's top-level commands; the package's __init__ adds them to the app `cli`.
@@ -60,13 +72,21 @@ SIMULATE_HELP = (
     "actions, manual releases, assignments by final state, utilisation per pool and per "
     "runner (at the end and peak), contention retries, heartbeats recorded and coalesced, "
     "events written and the wall time. Defaults finish in well under a minute on SQLite. "
-    "Exits 1 when the run's reservations differ from the store's (the ledger check)."
+    "Exits 1 when the run's reservations differ from the store's (the ledger check).\n\n"
+    "[bold]The store[/bold]: simulate never deletes or writes into a store it did not "
+    "create. A new or empty store becomes simulate's (marked so); a SQLite file an earlier "
+    "simulate created is replaced (--append keeps it and prefixes this run's ids), a "
+    "PostgreSQL store it created is appended to. Any other store that holds events is "
+    "refused (exit 2) unless --fresh, which says what it deletes (the SQLite file and its "
+    "journals; on PostgreSQL the schema the URL names, never public) and then deletes it."
 )
 EXAMPLES_SIMULATE = (
     "[bold]Examples[/bold]\n\n"
     "  secondbox-scheduler simulate\n"
     "  secondbox-scheduler simulate --seed 11 --runners 12 --sandboxes 40 --json\n"
-    "  secondbox-scheduler simulate --database-url sqlite:////tmp/fleet.db --no-fresh"
+    "  secondbox-scheduler simulate --database-url sqlite:////tmp/fleet.db --append\n"
+    "  secondbox-scheduler simulate --database-url 'postgresql://postgres@127.0.0.1/db?schema=sim' "
+    "--fresh"
 )
 
 
@@ -97,13 +117,25 @@ def simulate(
     fresh: Annotated[
         bool,
         typer.Option(
-            "--fresh/--no-fresh",
+            "--fresh",
             help=(
-                "Delete the SQLite database file first, so reruns are reproducible. "
-                "--no-fresh appends to the store; ids are then prefixed so they never collide."
+                "Delete the store first, even one simulate did not create, after saying "
+                "what is deleted: the SQLite file and its journals, or the PostgreSQL "
+                "schema the URL names (?schema=NAME; public is never dropped)."
             ),
         ),
-    ] = True,
+    ] = False,
+    append: Annotated[
+        bool,
+        typer.Option(
+            "--append",
+            help=(
+                "Keep what an earlier simulate wrote to this SQLite file and add this run "
+                "under a run prefix (ids never collide); PostgreSQL stores simulate created "
+                "are always appended to."
+            ),
+        ),
+    ] = False,
     json_output: JsonOutput = False,
 ) -> None:
     config = SimulationConfig(
@@ -112,15 +144,16 @@ def simulate(
         runners=runners,
         sandboxes=sandboxes,
         cycles=cycles,
-        fresh=fresh,
+        fresh=False,  # prepare_store deletes what may be deleted, and says so
     )
     err = Console(stderr=True, highlight=False)
     with reported_errors():
-        if fresh and not database_url.lower().startswith("sqlite"):
-            err.print(
-                "note: --fresh only deletes SQLite files; this store is appended to "
-                "(ids get a run prefix when it is not empty)"
-            )
+        with store_errors(database_url):
+
+            def say(line: str) -> None:
+                err.print(line, soft_wrap=True)
+
+            prepare_store(database_url, fresh=fresh, append=append, say=say)
         columns = (
             TextColumn("[progress.description]{task.description}"),
             BarColumn(),
@@ -144,6 +177,20 @@ def simulate(
         # The run's own ledger of reservations and the store disagree: a failed run.
         err.print("error: the simulation's reservations DIFFER from the store")
         raise typer.Exit(1)
+
+
+def prepare_store(
+    database_url: str, *, fresh: bool, append: bool, say: Callable[[str], None]
+) -> None:
+    """Check that simulate may write into the store, and make it simulate's
+    (:mod:`~secondbox_scheduler.infrastructure.tools.simulation.store_guard`)."""
+    plan = plan_run(inspect_store(database_url), fresh=fresh, append=append)
+    if plan.note:
+        say(f"note: {escape(plan.note)}")
+    if plan.action in (FRESH, REPLACE):
+        delete_store(database_url)
+    if plan.action != APPEND:
+        mark_store(database_url, lambda: open_store(database_url, must_exist=False).close())
 
 
 def _use_cell(use: DimensionUse, scale: int = 1) -> str:

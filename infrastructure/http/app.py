@@ -19,12 +19,13 @@ import secondbox_scheduler.infrastructure.http.runners as runners
 import secondbox_scheduler.infrastructure.http.sandboxes as sandboxes
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.http.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
-from secondbox_scheduler.infrastructure.http.errors import install_error_handlers
+from secondbox_scheduler.infrastructure.http.errors import install_error_handlers, problem_openapi
+from secondbox_scheduler.infrastructure.http.request_log import RequestLog
 from secondbox_scheduler.infrastructure.http.request_metrics import (
     RequestMetrics,
     request_histogram,
 )
-from secondbox_scheduler.infrastructure.metrics import PrometheusMetrics
+from secondbox_scheduler.infrastructure.prometheus_export import PrometheusMetrics
 from secondbox_scheduler.infrastructure.settings import (
     DEFAULT_READY_MAX_LAG,
     READY_MAX_LAG,
@@ -39,7 +40,9 @@ The SecondBox scheduler over HTTP/JSON: every command and query of
 `SchedulerApplication` (runners, sandboxes, assignments, explanations, timelines),
 health and Prometheus metrics.
 
-Errors are `{"error": {"code", "message", "retryable", "field", "rule", ...}}` with
+Errors are RFC 9457 problem details (`application/problem+json`: `type`, `title`,
+`status`, `detail`, `instance`) with the extension members `code` (stable, to match on),
+`retryable`, `request_id` and, as they apply, `field`, `rule`, `reason`, `reasons`:
 422 invalid input, 404 unknown, 409 stale fence or conflict (and refused placements),
 413 a body past the maximum size (`serve --max-body-bytes`, default 1 MiB), 503 with
 `Retry-After` for contention and an unavailable store. Commands are idempotent by the
@@ -57,12 +60,14 @@ def create_app(
     registry: CollectorRegistry | None = None,
     max_read_model_lag: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    access_log: bool = False,
 ) -> FastAPI:
     """The service over ``scheduler``. Its metrics go to ``registry``, or to the
     registry the scheduler already exports to, or to a new one; ``/metrics`` serves it.
     ``max_read_model_lag``: the events a read model may lag before ``/readyz`` answers
     503; by default the scheduler's ``SECONDBOX_READY_MAX_LAG`` (1,000 when unset). A
-    request body of more than ``max_body_bytes`` is refused, 413, before it is read."""
+    request body of more than ``max_body_bytes`` is refused, 413, before it is read.
+    ``access_log``: log every request (:mod:`.request_log`), not only the 5xx ones."""
     if max_read_model_lag is None:
         max_read_model_lag = ready_max_lag(scheduler.env.get(READY_MAX_LAG))
     sink = scheduler.metrics.sink
@@ -80,10 +85,12 @@ def create_app(
     app.state.registry = exporter.registry
     app.state.max_read_model_lag = max_read_model_lag
     install_error_handlers(app)
+    problem_openapi(app)
     app.include_router(runners.router)
     app.include_router(sandboxes.router)
     app.include_router(health.router)
     app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
     # Added last, so outermost: it also times (and counts) the 413s of BodyLimit.
     app.add_middleware(RequestMetrics, histogram=request_histogram(exporter.registry))
+    app.add_middleware(RequestLog, access_log=access_log)  # outermost: the request id first
     return app

@@ -1,8 +1,8 @@
 """The largest request body the service reads: 413 ``body_too_large`` past it.
 
 A plain ASGI middleware, outermost (before anything reads the body). A request whose
-``Content-Length`` is past the limit is answered at once, with the service's error
-shape, without reading a byte of its body; a body streamed without one (chunked) is
+``Content-Length`` is past the limit is answered at once, with the service's problem
+details, without reading a byte of its body; a body streamed without one (chunked) is
 counted as it arrives and refused as soon as the count passes the limit: what is read
 is never more than the limit plus one chunk, so no body can make the service spend
 memory in proportion to its size. The limit is ``serve --max-body-bytes`` (or
@@ -53,6 +53,7 @@ class BodyLimit:
                 413,
                 ErrorDetail(code=BODY_TOO_LARGE, message=too_large_message(limit), retryable=False),
                 {"Connection": "close"},
+                scope,
             )
             await response(scope, receive, send)
             return

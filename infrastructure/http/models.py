@@ -146,20 +146,6 @@ class RunnerRegistration(Body):
     guest_protocol_maximum: Annotated[StrictInt, Field(ge=0, le=2**32 - 1)]
     supported_egress_contexts: Names = ()
 
-    def same_registration(self, runner: RunnerSnapshot) -> bool:
-        """Whether ``runner`` is what this registration would have registered (a retried
-        registration then succeeds again: registering is idempotent by the runner id)."""
-        return (
-            runner.pool_name == self.pool_name
-            and runner.backend_kind == self.backend_kind
-            and runner.architecture == self.architecture
-            and runner.capabilities == self.capabilities
-            and runner.allocatable == self.allocatable
-            and runner.guest_protocol_minimum == self.guest_protocol_minimum
-            and runner.guest_protocol_maximum == self.guest_protocol_maximum
-            and set(runner.supported_egress_contexts) == set(self.supported_egress_contexts)
-        )
-
 
 class RegisteredRunner(BaseModel):
     runner: RunnerSnapshot

@@ -10,7 +10,6 @@ from __future__ import annotations
 from fastapi import APIRouter
 from starlette.responses import Response
 
-from secondbox_scheduler.domain.errors import AlreadyExistsError, RunnerNotFoundError
 from secondbox_scheduler.domain.values import Capacity, RunnerSnapshot
 from secondbox_scheduler.infrastructure.audit.queries import timeline
 from secondbox_scheduler.infrastructure.http.common import PoolQuery, RunnerId, Scheduler, respond
@@ -42,27 +41,19 @@ router = APIRouter(prefix="/v1/runners", tags=["runners"], responses=ERROR_RESPO
 def register_runner(body: RunnerRegistration, app: Scheduler) -> Response:
     """Register a runner host. A repeat of the same registration answers 200 with
     ``created: false``; another registration of a taken id is 409 ``already_exists``."""
-    try:
-        app.register_runner(
-            runner_id=body.runner_id,
-            pool_name=body.pool_name,
-            backend_kind=body.backend_kind,
-            architecture=body.architecture,
-            capabilities=body.capabilities,
-            allocatable=body.allocatable,
-            guest_protocol_minimum=body.guest_protocol_minimum,
-            guest_protocol_maximum=body.guest_protocol_maximum,
-            supported_egress_contexts=body.supported_egress_contexts,
-        )
-    except AlreadyExistsError:
-        try:
-            existing = app.fold_runner(body.runner_id)
-        except RunnerNotFoundError:  # deregistered: the id stays taken
-            existing = None
-        if existing is None or not body.same_registration(existing):
-            raise
-        return respond(RegisteredRunner(runner=existing, created=False))
-    return respond(RegisteredRunner(runner=app.fold_runner(body.runner_id), created=True), 201)
+    created = app.register_runner(
+        runner_id=body.runner_id,
+        pool_name=body.pool_name,
+        backend_kind=body.backend_kind,
+        architecture=body.architecture,
+        capabilities=body.capabilities,
+        allocatable=body.allocatable,
+        guest_protocol_minimum=body.guest_protocol_minimum,
+        guest_protocol_maximum=body.guest_protocol_maximum,
+        supported_egress_contexts=body.supported_egress_contexts,
+    )
+    runner = app.fold_runner(body.runner_id)
+    return respond(RegisteredRunner(runner=runner, created=created), 201 if created else 200)
 
 
 @router.get("", response_model=RunnerList, summary="Runner snapshots")

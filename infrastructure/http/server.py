@@ -11,6 +11,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -42,15 +43,23 @@ def base_url(sock: socket.socket) -> str:
 
 
 def make_server(
-    app: ASGIApp, sock: socket.socket, *, log_level: str = "warning", access_log: bool = False
+    app: ASGIApp,
+    sock: socket.socket,
+    *,
+    log_level: str = "warning",
+    log_config: dict[str, Any] | None = None,
 ) -> uvicorn.Server:
+    """uvicorn on ``sock``; its access log is off (the service's own request log,
+    :mod:`.request_log`, writes the requests). ``log_config``: uvicorn's logging
+    configuration (by default uvicorn's own)."""
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level=log_level,
-        access_log=access_log,
+        log_config=log_config if log_config is not None else uvicorn.config.LOGGING_CONFIG,
+        access_log=False,
         lifespan="off",
         server_header=False,
     )

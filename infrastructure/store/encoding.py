@@ -33,7 +33,10 @@ from decimal import Decimal
 from typing import Any, ClassVar
 from uuid import UUID
 
-import orjson
+try:
+    import orjson
+except ImportError:  # without the [fast] extra: the json module's way (same values)
+    orjson = None  # type: ignore[assignment]
 from eventsourcing.domain import CanSnapshotAggregate, DomainEventProtocol
 from eventsourcing.persistence import (
     Cipher,
@@ -47,7 +50,9 @@ from eventsourcing.utils import get_topic
 
 DOMAIN_MODULES = "secondbox_scheduler.domain."
 _OPTIONS = (
-    orjson.OPT_PASSTHROUGH_DATETIME  # through the transcoder's hook, as json does
+    0
+    if orjson is None
+    else orjson.OPT_PASSTHROUGH_DATETIME  # through the transcoder's hook, as json does
     | orjson.OPT_PASSTHROUGH_SUBCLASS  # a str or int subclass: json's way
     | orjson.OPT_PASSTHROUGH_DATACLASS  # json refuses a dataclass unless registered
 )
@@ -71,7 +76,8 @@ class EventMapper(Mapper[UUID]):
     ) -> None:
         super().__init__(transcoder, compressor=compressor, cipher=cipher)
         self._lean = (
-            isinstance(transcoder, JSONTranscoder)
+            orjson is not None  # without orjson, the library's mapper encodes every event
+            and isinstance(transcoder, JSONTranscoder)
             and type(transcoder).encode is JSONTranscoder.encode
             and type(transcoder)._encode_obj is JSONTranscoder._encode_obj
             # a transcoding for a type orjson writes itself (an Enum, say) would be bypassed

@@ -206,15 +206,19 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(runner_id=st.sampled_from(RUNNER_IDS), instances=st.integers(1, 3))
     def register(self, runner_id: str, instances: int) -> None:
         allocatable = offering(instances, self.every_dimension_tight)
+        known = self.runners.get(runner_id)  # identical: a no-op; else a taken id refused
+        same = known is not None and not known.deregistered and known.allocatable == allocatable
         try:
-            self.app.register_runner(
+            created = self.app.register_runner(
                 runner_id=runner_id, pool_name="pool-a", backend_kind="firecracker",
                 architecture="x86_64", capabilities=CAPABILITIES, allocatable=allocatable,
                 guest_protocol_minimum=1, guest_protocol_maximum=3,
                 supported_egress_contexts=("default",),
             )  # fmt: skip
         except AlreadyExistsError:
-            assert runner_id in self.runners
+            created = None
+        if not created:
+            assert (known is not None, created is False) == (True, same)
             self.reached("register: already registered")
             return
         assert runner_id not in self.runners

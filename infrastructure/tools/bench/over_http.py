@@ -142,7 +142,7 @@ class HttpScheduleJob:
                 elif response.status_code == 503:
                     outcome = CONTENTION
                 else:
-                    outcome = str(answer.get("error", {}).get("code", response.status_code))
+                    outcome = str(answer.get("code", response.status_code))
                 outcomes[outcome] += 1
                 if finished >= deadline:
                     break

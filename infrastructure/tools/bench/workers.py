@@ -45,7 +45,7 @@ from secondbox_scheduler.domain.errors import (
 from secondbox_scheduler.domain.ids import lease_uuid, runner_uuid
 from secondbox_scheduler.infrastructure.gc_tuning import tune_gc
 from secondbox_scheduler.infrastructure.settings import DATABASE_URL, settings_from_url
-from secondbox_scheduler.infrastructure.tools.bench.errors import BenchError
+from secondbox_scheduler.infrastructure.tools.bench.errors import BenchError, BenchWorkerError
 from secondbox_scheduler.infrastructure.tools.bench.fleet import (
     REQUESTED,
     bench_requirements,
@@ -457,16 +457,18 @@ class WorkerPool:
             except queue.Empty:
                 dead = [p.name for p in self._processes if not p.is_alive()]
                 if dead:
-                    raise BenchError(f"worker process(es) died: {', '.join(dead)}") from None
+                    raise BenchWorkerError(f"worker process(es) died: {', '.join(dead)}") from None
                 if time.monotonic() > give_up:
-                    raise BenchError(f"workers did not finish within {timeout:.0f}s") from None
+                    raise BenchWorkerError(
+                        f"workers did not finish within {timeout:.0f}s"
+                    ) from None
                 continue
             if isinstance(result, str):
                 failures.append(f"worker {index}: {result}")
             else:
                 found[index] = result
         if failures:
-            raise BenchError("a worker failed:\n" + "\n".join(failures))
+            raise BenchWorkerError("a worker failed:\n" + "\n".join(failures))
         return [found[index] for index in range(self.workers)]
 
     def close(self) -> None:
