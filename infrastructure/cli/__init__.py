@@ -21,6 +21,7 @@ import sys
 import typer
 
 from secondbox_scheduler.domain.errors import SchedulerError
+from secondbox_scheduler.infrastructure.acting import acting_as, command_line_actor
 from secondbox_scheduler.infrastructure.cli import (
     audit,
     bench,
@@ -50,6 +51,14 @@ cli = typer.Typer(
     rich_markup_mode="rich",
     pretty_exceptions_enable=False,
 )
+
+
+@cli.callback()
+def _actor(context: typer.Context) -> None:
+    # every command's events record `cli` and the OS user (docs/events.md, "The actor")
+    context.with_resource(acting_as(command_line_actor()))
+
+
 # The top-level commands, in the order --help lists them; then the command groups.
 cli.registered_commands += [
     *simulate.commands.registered_commands,
