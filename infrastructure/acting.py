@@ -41,7 +41,13 @@ def acting_as(actor: Actor | str) -> Iterator[ActorRecord]:
     context). Nested blocks: the innermost wins."""
     if isinstance(actor, str):
         actor = Actor.library(actor)
-    record = actor.to_record()
+    with acting_as_record(actor.to_record()) as record:
+        yield record
+
+
+@contextmanager
+def acting_as_record(record: ActorRecord) -> Iterator[ActorRecord]:
+    """:func:`acting_as` for an actor already in its stored form."""
     token = _current.set(record)
     try:
         yield record
