@@ -33,6 +33,7 @@ from secondbox_scheduler.domain.access_tokens import (
     AccessTokens,
     token_state,
 )
+from secondbox_scheduler.domain.actors import ActorRecord, actor_of
 from secondbox_scheduler.domain.errors import SerializationContentionError
 from secondbox_scheduler.domain.ids import access_tokens_uuid
 from secondbox_scheduler.infrastructure.store.application_store import StoredApplication
@@ -75,17 +76,24 @@ class TokenInfo:
     expires_at: datetime | None
     revoked_at: datetime | None
     state: str
+    issued_by: ActorRecord | None = None  # the actor of its issue (None: unknown)
+    revoked_by: ActorRecord | None = None
 
     @classmethod
-    def of(cls, record: AccessTokenRecord, now: datetime) -> TokenInfo:
+    def of(
+        cls, record: AccessTokenRecord, now: datetime, actors: dict[tuple[str, str], Any]
+    ) -> TokenInfo:
+        token_id = record["token_id"]
         return cls(
-            record["token_id"],
+            token_id,
             record["role"],
             list(record["runner_ids"]),
             record["issued_at"],
             record["expires_at"],
             record["revoked_at"],
             token_state(record, now),
+            actors.get(("Issued", token_id)),
+            actors.get(("Revoked", token_id)),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -100,6 +108,8 @@ class TokenInfo:
             "expires_at": iso(self.expires_at),
             "revoked_at": iso(self.revoked_at),
             "state": self.state,
+            "issued_by": self.issued_by,
+            "revoked_by": self.revoked_by,
         }
 
 
@@ -181,10 +191,16 @@ def revoke_token(app: Any, token_id: str) -> bool:
 
 
 def list_tokens(app: Any) -> list[TokenInfo]:
-    """Every token ever issued, oldest first, with its state now."""
+    """Every token ever issued, oldest first, with its state now and who issued and
+    revoked it (the actors of those events)."""
     tokens = load_tokens(app)
     if tokens is None:
         return []
     now = app.now()
+    actors = {
+        (type(event).__name__, event.token_id): actor_of(event)
+        for event in app.events.get(access_tokens_uuid())
+        if isinstance(event, (AccessTokens.Issued, AccessTokens.Revoked))
+    }
     records = sorted(tokens.tokens.values(), key=lambda r: (r["issued_at"], r["token_id"]))
-    return [TokenInfo.of(record, now) for record in records]
+    return [TokenInfo.of(record, now, actors) for record in records]

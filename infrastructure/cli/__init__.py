@@ -9,7 +9,7 @@ stderr and exit code 2.
 This module builds the typer app ``cli`` from the command groups, one module each:
 ``simulate``, ``inspection`` (``runners``, ``assignments``), ``faults`` (``verify``),
 ``lifecycle`` (``reconcile``, ``release``), ``serve`` (the HTTP service),
-``projections``, ``audit`` and ``bench``;
+``projections``, ``audit``, ``bench``, ``db`` and ``tokens`` (access tokens);
 ``common`` holds what they share.
 """
 
@@ -32,6 +32,7 @@ from secondbox_scheduler.infrastructure.cli import (
     projections,
     serve,
     simulate,
+    tokens,
 )
 from secondbox_scheduler.infrastructure.cli.common import EXIT_REFUSED, say_error, shown
 from secondbox_scheduler.infrastructure.gc_tuning import tune_gc
@@ -71,6 +72,7 @@ cli.add_typer(projections.projections_cli, name="projections")
 cli.add_typer(audit.audit_cli, name="audit")
 cli.add_typer(bench.bench_cli, name="bench")
 cli.add_typer(db.db_cli, name="db")
+cli.add_typer(tokens.tokens_cli, name="tokens")
 
 
 def main() -> None:

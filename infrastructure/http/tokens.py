@@ -19,7 +19,7 @@ from secondbox_scheduler.domain.limits import MAX_ITEMS
 from secondbox_scheduler.infrastructure.access.tokens import issue_token, list_tokens, revoke_token
 from secondbox_scheduler.infrastructure.http.common import Scheduler, respond
 from secondbox_scheduler.infrastructure.http.errors import ERROR_RESPONSES
-from secondbox_scheduler.infrastructure.http.models import Body, PathName, Time
+from secondbox_scheduler.infrastructure.http.models import ActorOut, Body, PathName, Time
 
 router = APIRouter(prefix="/v1/tokens", tags=["access"], responses=ERROR_RESPONSES)
 
@@ -57,6 +57,8 @@ class TokenOut(BaseModel):
     expires_at: datetime | None
     revoked_at: datetime | None
     state: Literal["active", "expired", "revoked"]
+    issued_by: ActorOut | None = Field(default=None, description="Who issued it.")
+    revoked_by: ActorOut | None = Field(default=None, description="Who revoked it.")
 
 
 class TokenList(BaseModel):
