@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from secondbox_scheduler.domain.actors import ACTOR_VERSION, Actor, describe_actor
+from secondbox_scheduler.domain.actors import ACTOR_VERSION, Actor, ActorRecord, describe_actor
 from secondbox_scheduler.domain.errors import InvalidRequestError
 from secondbox_scheduler.domain.event_catalogue import event_classes
 from secondbox_scheduler.domain.ids import refusal_log_uuid
@@ -36,8 +36,8 @@ from tests.factories import (
 )
 from tests.histories import HISTORY_0_1, HISTORY_0_2, copy_sqlite
 
-ALICE = {"kind": "library", "name": "alice"}
-BOB = {"kind": "library", "name": "bob"}
+ALICE: ActorRecord = {"kind": "library", "name": "alice"}
+BOB: ActorRecord = {"kind": "library", "name": "bob"}
 
 
 @pytest.fixture
@@ -138,7 +138,7 @@ def test_batched_placements_of_different_callers_record_each_callers_actor(
         schedule_request("s2", clock()),
         schedule_request("s3", clock(), requirements=requirements(pool_name="pool-b")),
     ]
-    carol = {"kind": "token", "name": "0123456789ab", "role": "control-plane"}
+    carol: ActorRecord = {"kind": "token", "name": "0123456789ab", "role": "control-plane"}
     with acting_as("leader"):
         outcomes = PlacementBatch(sqlite_app).run_deferring(
             requests, [False] * 3, [ALICE, BOB, carol]
@@ -147,7 +147,7 @@ def test_batched_placements_of_different_callers_record_each_callers_actor(
     streams = {refusal_log_uuid(s): s for s in ("s1", "s2", "s3")}
     by_sandbox: dict[str, list[Any]] = {}
     for notification in sqlite_app.recorder.select_notifications(start=head + 1, limit=100):
-        event = sqlite_app.mapper.to_domain_event(notification)
+        event: Any = sqlite_app.mapper.to_domain_event(notification)
         sandbox = getattr(event, "sandbox_id", None) or streams.get(event.originator_id)
         if sandbox is None:
             sandbox = event.assignment["sandbox_id"]
@@ -234,14 +234,15 @@ def test_events_of_earlier_releases_read_as_actor_unknown(
             assert "class_version" not in json.loads(notification.state) or (
                 notification.topic.endswith("AssignmentFenced")
             )
-            for event in (app.mapper.to_domain_event(notification), decoder(notification)):
+            decoded: list[Any] = [app.mapper.to_domain_event(notification), decoder(notification)]
+            for event in decoded:
                 assert event.actor is None, notification.topic
             if notification.topic.endswith("AssignmentFenced"):
                 fences += 1
                 assert "token_indexed" in vars(decoder(notification))  # v1 -> v2 -> v3
         assert fences
         sandbox = next(
-            app.mapper.to_domain_event(n).sandbox_id
+            getattr(app.mapper.to_domain_event(n), "sandbox_id")  # noqa: B009
             for n in notifications
             if n.topic.endswith("Sandbox.Created")
         )
