@@ -387,18 +387,29 @@ def test_with_no_token_issued_the_service_is_open_and_callers_anonymous(
         app.close()
 
 
-def test_tokens_that_cannot_be_read_fail_the_request_closed(
+def test_tokens_never_read_fail_the_request_closed_and_tokens_read_are_kept(
     service: Service, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    app = create_app(service.app)
+    """A replica whose store fails before it ever read the tokens answers 503 (never
+    open); one that read them keeps them while the store fails (its /metrics then still
+    answers, store_up 0, to a token it knew)."""
+    failing = False
+    read = TokenCache._read
 
-    def unreadable(self: TokenCache) -> None:
-        raise OperationalError("the store went away")
+    def reading(self: TokenCache) -> None:
+        if failing:
+            raise OperationalError("the store went away")
+        read(self)
 
-    monkeypatch.setattr(TokenCache, "current", unreadable)
-    monkeypatch.setattr(TokenCache, "fresh", lambda self: False)
-    with TestClient(app) as client:
-        answer = client.get("/v1/runners", headers=service.headers("control-plane"))
+    monkeypatch.setattr(TokenCache, "_read", reading)
+    headers = service.headers("auditor")
+    with TestClient(create_app(service.app)) as client:
+        assert client.get("/metrics", headers=headers).status_code == 200  # read once
+        failing = True
+        assert client.get("/metrics", headers=headers).status_code == 200  # kept
+        assert client.get("/metrics").status_code == 401
+    with TestClient(create_app(service.app)) as client:  # a replica that never read them
+        answer = client.get("/metrics", headers=headers)
         assert answer.status_code == 503
         assert answer.json()["error"]["code"] == "store_unavailable"
         assert client.get("/healthz").status_code == 200

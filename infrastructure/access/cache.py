@@ -5,26 +5,37 @@ A replica serves requests with the tokens it read at most that long ago, then re
 what was issued or revoked since (one query: the stream's events after the version it
 holds). So an issue or a revocation on any replica is seen by every replica within the
 refresh interval plus the time of one read; an expiry is checked against the clock at
-every request. A read that fails fails the request (503 ``store_unavailable``): never
-a request let through on tokens that could not be read. 0 reads at every request.
+every request. 0 reads at every request.
+
+A replica that has never read the tokens and cannot (the store is unavailable) fails
+the request (503 ``store_unavailable``): never a request let through on tokens it
+could not read. One that read them before and cannot read them again keeps the tokens it
+read, and tries again after the interval (a warning in its log): while its store is
+unavailable the only routes that answer anyway are ``/metrics`` (where ``store_up``
+says so) and the OpenAPI document, and a revocation cannot be written then either.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from eventsourcing.persistence import PersistenceError
+
 from secondbox_scheduler.domain.access_tokens import AccessTokens
 from secondbox_scheduler.domain.errors import InvalidRequestError
 from secondbox_scheduler.domain.ids import access_tokens_uuid
 from secondbox_scheduler.infrastructure.access.tokens import load_tokens
+from secondbox_scheduler.infrastructure.store.startup import StoreUnavailableError
 
 TOKEN_REFRESH_SECONDS = "SECONDBOX_TOKEN_REFRESH_SECONDS"
 DEFAULT_TOKEN_REFRESH_SECONDS = 1.0
 MAX_TOKEN_REFRESH_SECONDS = 60.0
+log = logging.getLogger("secondbox_scheduler.access")
 
 
 def token_refresh_seconds(value: str | None) -> float:
@@ -62,6 +73,7 @@ class TokenCache:
         self._lock = threading.Lock()
         self._tokens: AccessTokens | None = None
         self._read_at = -math.inf
+        self._read_once = False
 
     def fresh(self) -> bool:
         """Whether the tokens held were read within the interval."""
@@ -74,12 +86,19 @@ class TokenCache:
 
     def current(self) -> AccessTokens | None:
         """The tokens, read again first when older than the interval (blocking: one
-        query; concurrent callers wait for one read). None: no token was ever issued."""
+        query; concurrent callers wait for one read). None: no token was ever issued.
+        The store's error when they were never read and cannot be."""
         if self.fresh():
             return self._tokens
         with self._lock:
             if not self.fresh():
-                self._read()
+                try:
+                    self._read()
+                except (PersistenceError, StoreUnavailableError) as error:
+                    if not self._read_once:
+                        raise
+                    log.warning("access tokens not read again (kept as read): %s", error)
+                    self._read_at = self._monotonic()
             return self._tokens
 
     def _read(self) -> None:
@@ -92,3 +111,4 @@ class TokenCache:
                 tokens = event.mutate(tokens)
         self._tokens = tokens
         self._read_at = started
+        self._read_once = True
