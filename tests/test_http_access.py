@@ -450,3 +450,16 @@ def test_the_store_keeps_only_the_tokens_digest(service: Service) -> None:
     for token in (*service.tokens.values(), service.spare):
         assert token.token.encode() not in stored
         assert token.token[-43:].encode() not in stored  # the secret
+
+
+def test_no_log_line_holds_a_token(service: Service, caplog: pytest.LogCaptureFixture) -> None:
+    """Whatever the service logs while it checks tokens (at every level, the store's
+    warnings included), a presented token is never in it."""
+    forged = service.tokens["admin"].token[:-2] + "zz"
+    with caplog.at_level("DEBUG"):
+        for token in (service.tokens["admin"].token, forged):
+            service.client.get("/v1/tokens", headers={"Authorization": f"Bearer {token}"})
+            service.client.post("/v1/tokens", json={"role": "x"}, headers={"Authorization": token})
+    assert caplog.records  # the service (and its libraries) logged something
+    for token in (service.tokens["admin"].token, forged):
+        assert token[-43:] not in caplog.text
