@@ -123,6 +123,10 @@ class AssignmentNotFoundError(NotFoundError):
     kind = "assignment"
 
 
+class AccessTokenNotFoundError(NotFoundError):
+    kind = "access token"
+
+
 class ConflictError(SchedulerError):
     """A command that the current state refuses (an invariant would break)."""
 

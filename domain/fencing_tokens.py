@@ -21,6 +21,7 @@ from datetime import datetime
 
 from eventsourcing.domain import Aggregate
 
+from secondbox_scheduler.domain.actors import ActedEvent
 from secondbox_scheduler.domain.ids import fencing_token_uuid
 
 
@@ -31,6 +32,9 @@ def token_sha256(token_hex: str) -> str:
 
 class FencingTokenUse(Aggregate):
     """One sandbox's use of one fencing token, in the generation that used it."""
+
+    class Event(ActedEvent):
+        """Every event records its actor (domain/actors.py)."""
 
     class Used(Aggregate.Created):
         sandbox_id: str

@@ -37,3 +37,8 @@ def refusal_log_uuid(sandbox_id: str) -> UUID:
 def fencing_token_uuid(sandbox_id: str, token_sha256: str) -> UUID:
     """The stream that records one fencing token's use by one sandbox (by its digest)."""
     return uuid5(NAMESPACE, f"fencing-token:{sandbox_id}:{token_sha256}")
+
+
+def access_tokens_uuid() -> UUID:
+    """The one stream of the service's access tokens (domain/access_tokens.py)."""
+    return uuid5(NAMESPACE, "access-tokens")

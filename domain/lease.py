@@ -21,6 +21,7 @@ from typing import Any
 
 from eventsourcing.domain import Aggregate
 
+from secondbox_scheduler.domain.actors import ActedEvent
 from secondbox_scheduler.domain.ids import lease_uuid
 from secondbox_scheduler.domain.records import MaterializationRecord
 from secondbox_scheduler.domain.values import MaterializationSnapshot
@@ -33,6 +34,9 @@ OBSERVED_EVIDENCE = "evidence"  # evidence change recorded
 
 class RunnerLease(Aggregate):
     """Latest recorded liveness and evidence of one runner."""
+
+    class Event(ActedEvent):
+        """Every event records its actor (domain/actors.py)."""
 
     class Opened(Aggregate.Created):
         runner_id: str

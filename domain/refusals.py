@@ -17,6 +17,7 @@ from typing import TypedDict
 
 from eventsourcing.domain import Aggregate
 
+from secondbox_scheduler.domain.actors import ActedEvent, ActorRecord
 from secondbox_scheduler.domain.errors import PlacementError
 from secondbox_scheduler.domain.ids import refusal_log_uuid
 from secondbox_scheduler.domain.placement.evidence import (
@@ -45,6 +46,9 @@ RefusalReasons = Sequence[CandidateRecord | UnlistedReasons]
 
 
 class RefusalLog(Aggregate):
+    class Event(ActedEvent):
+        """Every event records its actor (domain/actors.py)."""
+
     class Opened(Aggregate.Created):
         sandbox_id: str
 
@@ -124,6 +128,7 @@ class Refusal:
     decided_at: datetime
     heartbeat_timeout: timedelta
     requirements: Requirements | None = None  # a refused creation's
+    actor: ActorRecord | None = None  # who asked (recorded on its events by the store)
 
     def add_to(self, log: RefusalLog) -> bool:
         """Record it in ``log`` (False: the same reasons as the last one recorded)."""

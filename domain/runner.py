@@ -20,6 +20,7 @@ from typing import Any, Protocol, TypedDict
 
 from eventsourcing.domain import Aggregate
 
+from secondbox_scheduler.domain.actors import ActedEvent
 from secondbox_scheduler.domain.errors import (
     CapacityExceededError,
     ConflictError,
@@ -62,6 +63,9 @@ class ReservationRecord(TypedDict):
 
 class Runner(Aggregate):
     """A host that runs sandbox compute, as the scheduler's capacity authority sees it."""
+
+    class Event(ActedEvent):
+        """Every event records its actor (domain/actors.py)."""
 
     class Registered(Aggregate.Created):
         runner_id: str

@@ -23,6 +23,7 @@ from typing import Any, Unpack, cast
 
 from eventsourcing.domain import Aggregate
 
+from secondbox_scheduler.domain.actors import ActedEvent, actor_unknown
 from secondbox_scheduler.domain.assignment import (
     CAN_FAIL,
     STATE_ASSIGNED,
@@ -80,6 +81,9 @@ TOKEN_REUSED = "must differ from every earlier token of this sandbox"
 
 class Sandbox(Aggregate):
     """A sandbox's pinned profile revision, home runner and current assignment."""
+
+    class Event(ActedEvent):
+        """Every event records its actor (domain/actors.py)."""
 
     class_version = 2
 
@@ -178,7 +182,7 @@ class Sandbox(Aggregate):
         placement: PlacementRecord
         token_indexed: bool = False  # a FencingTokenUse was saved with it (version 2)
 
-        class_version = 2
+        class_version = 3  # 2: token_indexed; 3: the actor (domain/actors.py)
 
         @staticmethod
         def upcast_v1_v2(state: dict[str, Any]) -> None:
@@ -186,6 +190,8 @@ class Sandbox(Aggregate):
             version 1 (``placement.evaluate_runner``)."""
             state["token_indexed"] = False
             state["placement"] = {**state["placement"], "rules_version": 1}
+
+        upcast_v2_v3 = staticmethod(actor_unknown)  # written before 0.3: actor unknown
 
         def apply(self, sandbox: Sandbox) -> None:
             record = self.assignment.copy()

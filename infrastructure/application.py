@@ -424,10 +424,10 @@ class SchedulerApplication(StoredApplication):
         return PlacementBatch(self).run(requests)
 
     def _place_deferring(
-        self, requests: Sequence[ScheduleRequest], deferrable: Sequence[bool]
+        self, requests: Sequence[ScheduleRequest], deferrable: Sequence[bool], actors: Any
     ) -> list[tuple[DurableAssignment, bool] | SchedulerError | None]:
         """The batcher's batch: None for a request handed back (its runner was busy)."""
-        return PlacementBatch(self).run_deferring(requests, deferrable)
+        return PlacementBatch(self).run_deferring(requests, deferrable, actors)
 
     def _check_request(self, request: object) -> None:
         if not isinstance(request, ScheduleRequest):

@@ -15,6 +15,7 @@ from eventsourcing.persistence import IntegrityError
 
 from secondbox_scheduler.domain.ids import refusal_log_uuid
 from secondbox_scheduler.domain.refusals import Refusal, RefusalLog
+from secondbox_scheduler.infrastructure.acting import stamp
 from secondbox_scheduler.infrastructure.counters import SchedulerMetrics
 from secondbox_scheduler.infrastructure.store.application_store import StoredApplication
 
@@ -45,6 +46,7 @@ class RefusalRecorder:
                     log = RefusalLog.open(refusal.sandbox_id, refusal.decided_at)
                 logs[refusal.sandbox_id] = log
                 recorded += refusal.add_to(log)
+                stamp(log.pending_events, refusal.actor)  # its own caller's, in a batch
             changed = [log for log in logs.values() if log.pending_events]
             try:
                 if changed:  # all repeats of the last: nothing to save
@@ -63,6 +65,7 @@ class RefusalRecorder:
             )
             if not refusal.add_to(log):
                 return
+            stamp(log.pending_events, refusal.actor)
             try:
                 self.store.save(log)
                 self.metrics.add("refusals_recorded")

@@ -13,6 +13,7 @@ from datetime import datetime
 from functools import singledispatchmethod
 from typing import Any
 
+from secondbox_scheduler.domain.access_tokens import ACCESS_TOKEN_EVENTS
 from secondbox_scheduler.domain.assignment import STATE_RELEASED, STATE_RUNNING, STATE_UNCERTAIN
 from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
 from secondbox_scheduler.domain.lease import RunnerLease
@@ -182,6 +183,7 @@ class AssignmentsProjection(SqlProjection[AssignmentsView]):
         FencingTokenUse.Used: (
             "the token is in the row from Sandbox.AssignmentFenced; its index changes no row"
         ),
+        **dict.fromkeys(ACCESS_TOKEN_EVENTS, "an access token makes or changes no assignment"),
     }
 
     @singledispatchmethod

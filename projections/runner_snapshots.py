@@ -13,6 +13,7 @@ import json
 from functools import singledispatchmethod
 from typing import Any, ClassVar
 
+from secondbox_scheduler.domain.access_tokens import ACCESS_TOKEN_EVENTS
 from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
 from secondbox_scheduler.domain.ids import lease_uuid
 from secondbox_scheduler.domain.lease import RunnerLease, materialization_snapshots
@@ -172,6 +173,10 @@ class RunnerSnapshotsProjection(SqlProjection[RunnerSnapshotsView]):
             (RefusalLog.Opened, RefusalLog.Refused), "a refusal reserves nothing on a runner"
         ),
         FencingTokenUse.Used: "the index of fencing tokens used changes no runner",
+        **dict.fromkeys(
+            ACCESS_TOKEN_EVENTS,
+            "an access token changes no runner (a runner token names runner ids only)",
+        ),
     }
 
     @singledispatchmethod

@@ -32,18 +32,21 @@ from secondbox_scheduler.domain import (
     select_home_runner,
     select_runner,
 )
+from secondbox_scheduler.domain.actors import Actor
 from secondbox_scheduler.infrastructure import (
     PostgresStore,
     PostgresStoreConfig,
     SchedulerApplication,
     StoreUnavailableError,
 )
+from secondbox_scheduler.infrastructure.acting import acting_as
 
 __version__ = "0.2.0"
 
 __all__ = [
     "DRAIN_PHASE_ACTIVE",
     "DRAIN_PHASE_DRAINING",
+    "Actor",
     "Capacity",
     "DurableAssignment",
     "EgressContextUnavailableError",
@@ -63,6 +66,7 @@ __all__ = [
     "StaleFenceError",
     "StoreUnavailableError",
     "__version__",
+    "acting_as",
     "select_home_runner",
     "select_runner",
 ]

@@ -17,6 +17,7 @@ from psycopg.conninfo import make_conninfo
 from typer.testing import CliRunner
 
 from secondbox_scheduler.infrastructure import SchedulerApplication
+from secondbox_scheduler.infrastructure.access.tokens import issue_token, list_tokens, revoke_token
 from secondbox_scheduler.infrastructure.audit.verify import verify
 from secondbox_scheduler.infrastructure.cli import cli
 from secondbox_scheduler.infrastructure.store.roles import grant
@@ -101,6 +102,9 @@ def test_the_scheduler_runs_under_a_role_that_writes_only_through_functions(
     try:
         assert app.recorder.appends_in_server()  # type: ignore[attr-defined]
         register(app, "r1", at=clock())  # registration and a heartbeat
+        issued = issue_token(app, role="auditor")  # access tokens: events like any other
+        assert revoke_token(app, issued.token_id)
+        assert [t.state for t in list_tokens(app)] == ["revoked"]
         projector.read_models.catch_up()
         assert create_sandbox(app, "s1") == "r1"
         assignment, _ = app.schedule(schedule_request("s1", clock()))

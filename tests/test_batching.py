@@ -307,7 +307,9 @@ def test_a_deferred_call_goes_first_into_the_next_batch_and_is_not_deferred_agai
     runs: list[list[tuple[str, bool]]] = []
     guard = threading.Lock()
 
-    def run(requests: Sequence[ScheduleRequest], deferrable: Sequence[bool]) -> list[Any]:
+    def run(
+        requests: Sequence[ScheduleRequest], deferrable: Sequence[bool], _: Sequence[Any]
+    ) -> list[Any]:
         with guard:
             runs.append([(r.sandbox_id, d) for r, d in zip(requests, deferrable, strict=True)])
         return [
@@ -351,7 +353,7 @@ class _Rounds:
         self.first = threading.Event()
         self.batcher = PlacementBatcher(self._run)
 
-    def _run(self, requests: Sequence[ScheduleRequest], _: Sequence[bool]) -> list[Any]:
+    def _run(self, requests: Sequence[ScheduleRequest], *_: Sequence[Any]) -> list[Any]:
         self.batches.append([r.sandbox_id for r in requests])
         if requests[0].sandbox_id == "opener":
             assert self.first.wait(10)  # the callers queue meanwhile: one batch of them
@@ -462,7 +464,7 @@ def test_an_interrupted_caller_leaves_the_queue_and_passes_the_lead_on(clock: Cl
     leaves the queue and passes the lead on: the next call is answered. (Before, the
     lead stayed with the interrupted caller, and every later call hung.)"""
 
-    def run(requests: Sequence[ScheduleRequest], _: Sequence[bool]) -> list[Any]:
+    def run(requests: Sequence[ScheduleRequest], *_: Sequence[Any]) -> list[Any]:
         return [(r.sandbox_id, True) for r in requests]
 
     batcher = PlacementBatcher(run)
@@ -493,7 +495,7 @@ def test_a_batch_answered_with_too_few_outcomes_fails_every_caller_of_it(clock: 
     """A ``run`` that breaks its contract (one answer missing) fails the batch's callers
     with an error that says so, and the batcher goes on."""
     answers: list[list[Any]] = [[], [("s1", True)]]
-    batcher = PlacementBatcher(lambda requests, _: answers.pop(0))
+    batcher = PlacementBatcher(lambda requests, *_: answers.pop(0))
     with pytest.raises(RuntimeError, match="0 answers to a batch of 1"):
         batcher.schedule(schedule_request("s0", clock()))
     answer: Any = batcher.schedule(schedule_request("s1", clock()))
@@ -840,7 +842,9 @@ def test_a_leader_wakes_only_the_callers_its_own_batch_answered(
 
     monkeypatch.setattr(batcher_module, "_Signal", Recording)
 
-    def run(requests: Sequence[ScheduleRequest], deferrable: Sequence[bool]) -> list[Any]:
+    def run(
+        requests: Sequence[ScheduleRequest], deferrable: Sequence[bool], _: Sequence[Any]
+    ) -> list[Any]:
         names = [r.sandbox_id for r in requests]
         if names == ["a", "b"]:
             return [("a", True), None]  # b's runner was busy: deferred
@@ -892,7 +896,9 @@ def test_an_interrupted_caller_whose_request_is_deferred_is_not_queued_again(
 
     monkeypatch.setattr(batcher_module, "_Signal", Interruptible)
 
-    def run(requests: Sequence[ScheduleRequest], deferrable: Sequence[bool]) -> list[Any]:
+    def run(
+        requests: Sequence[ScheduleRequest], deferrable: Sequence[bool], _: Sequence[Any]
+    ) -> list[Any]:
         names = [r.sandbox_id for r in requests]
         if names == ["a", "b"]:
             in_run.set()

@@ -16,6 +16,7 @@ import pytest
 from eventsourcing.domain import Aggregate
 from eventsourcing.utils import get_topic
 
+from secondbox_scheduler.domain.access_tokens import AccessTokens
 from secondbox_scheduler.domain.audit.fold import AuditFold
 from secondbox_scheduler.domain.audit.state import Violation
 from secondbox_scheduler.domain.event_catalogue import event_classes, event_name, unaccounted
@@ -57,7 +58,7 @@ def whole_history() -> EventLog:
     """A clean history, made by the real aggregates, with an event of every class of the
     catalogue: two runners (one deregistered) with their leases, two sandboxes placed,
     one run, reconciled uncertain, released and advanced, the other redelivered past its
-    deadline then failed for good, and a refusal."""
+    deadline then failed for good, a refusal, and an access token issued and revoked."""
     log = EventLog()
     runner, lease = new_runner("r1", allocatable=slots(3)), new_lease("r1")
     log.save(runner, lease)
@@ -105,6 +106,13 @@ def whole_history() -> EventLog:
     gone, gone_lease = new_runner("r2"), new_lease("r2")
     gone.deregister(LATER)
     log.save(s1, runner, lease, refusals, gone, gone_lease)
+    tokens = AccessTokens.open(LATER)
+    tokens.issue(
+        token_id="0123456789ab", role="runner", runner_ids=["r1"], token_sha256="0" * 64,
+        expires_at=None, at=LATER,
+    )  # fmt: skip
+    tokens.revoke("0123456789ab", LATER)
+    log.save(tokens)
     return log
 
 

@@ -133,9 +133,12 @@ def test_the_check_names_a_class_whose_whatif_handler_is_removed(
         monkeypatch.setattr(WhatIf, "HANDLERS", without)
         assert unaccounted(WhatIf.handled_events(), WhatIf.IGNORED) == [event_name(removed)]
     monkeypatch.setattr(WhatIf, "HANDLERS", table)
-    monkeypatch.setattr(WhatIf, "IGNORED", {FencingTokenUse.Used: " "})  # no reason given
+    ignored: dict[type[Any], str] = dict(WhatIf.IGNORED)
+    without_reason: dict[type[Any], str] = {**ignored, FencingTokenUse.Used: " "}
+    monkeypatch.setattr(WhatIf, "IGNORED", without_reason)
     assert unaccounted(WhatIf.handled_events(), WhatIf.IGNORED) == ["FencingTokenUse.Used"]
-    monkeypatch.setattr(WhatIf, "IGNORED", {FencingTokenUse.Used: "why", Stranger.Happened: "x"})
+    stranger: dict[type[Any], str] = {**ignored, Stranger.Happened: "x"}
+    monkeypatch.setattr(WhatIf, "IGNORED", stranger)
     assert unaccounted(WhatIf.handled_events(), WhatIf.IGNORED) == [
         "Stranger.Happened (not an event of the catalogue)"
     ]

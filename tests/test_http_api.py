@@ -20,6 +20,8 @@ import httpx
 import pytest
 
 from secondbox_scheduler.infrastructure import SchedulerApplication
+from secondbox_scheduler.infrastructure.access.tokens import issue_token
+from secondbox_scheduler.infrastructure.audit.queries import timeline
 from secondbox_scheduler.infrastructure.audit.verify import verify
 from secondbox_scheduler.infrastructure.http import create_app
 from secondbox_scheduler.infrastructure.http.server import listening_socket, serving_in_thread
@@ -363,21 +365,26 @@ def test_readiness_judges_the_read_models_lag(store: Store, clock: Clock) -> Non
 
 
 def test_the_curl_client_of_the_docs_runs_against_the_service(tmp_path: Path) -> None:
-    """docs/examples/curl-client.sh, as operations.md shows it (system clock, SQLite)."""
+    """docs/examples/curl-client.sh, as operations.md shows it (system clock, SQLite),
+    with a control-plane token: every event it causes records that token's actor."""
     curl = shutil.which("curl")
     assert curl is not None, "the documented client needs curl (apt-get install curl)"
     app = SchedulerApplication(env={"SECONDBOX_DATABASE_URL": f"sqlite:///{tmp_path}/c.db"})
     try:
+        token = issue_token(app, role="control-plane")
         with serving_in_thread(create_app(app)) as url:
             done = subprocess.run(
                 ["bash", str(DOCS / "examples" / "curl-client.sh"), url],
-                env={**os.environ, "SANDBOX": "sbx-docs"},
+                env={**os.environ, "SANDBOX": "sbx-docs", "TOKEN": token.token},
                 capture_output=True,
                 text=True,
                 timeout=120,
             )
+        entries = timeline(app, sandbox_id="sbx-docs")
+        actors = {e.actor["name"] if e.actor else None for e in entries}
     finally:
         app.close()
+    assert actors == {token.token_id}
     assert done.returncode == 0, done.stdout + done.stderr
     answers = [line for line in done.stdout.splitlines() if " -> " in line]
     assert answers == [

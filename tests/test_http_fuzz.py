@@ -4,9 +4,12 @@ For every operation of ``/openapi.json``, schemathesis generates requests from t
 schema (its explicit examples, boundary values of the coverage phase, and random
 valid and invalid ones) and sends them to the service in-process, over a store that
 already holds the resources the path examples name (runner ``runner-1``, sandbox
-``sbx-1`` with an assignment). Every answer must be no 500, documented (status,
-content type, headers, body schema), and a refused request must write nothing: no
-event at all, except the refusal evidence a refused placement records by design.
+``sbx-1`` with an assignment) and access tokens: each case carries a token of a role
+its operation admits (admin for tokens, drains and deregistration, control-plane for
+the rest), so that the checks behind the access check are fuzzed too. Every answer
+must be no 500, documented (status, content type, headers, body schema), and a
+refused request must write nothing: no event at all, except the refusal evidence a
+refused placement records by design (and the tokens an admin issues).
 """
 
 from __future__ import annotations
@@ -27,8 +30,12 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from secondbox_scheduler.domain.access_tokens import ROLE_ADMIN as ADMIN
+from secondbox_scheduler.domain.access_tokens import ROLE_CONTROL_PLANE as CONTROL_PLANE
 from secondbox_scheduler.infrastructure import SchedulerApplication
+from secondbox_scheduler.infrastructure.access.tokens import issue_token
 from secondbox_scheduler.infrastructure.http import create_app
+from secondbox_scheduler.infrastructure.http.access import access_of
 from tests.conftest import Clock
 from tests.factories import (
     create_sandbox,
@@ -69,15 +76,27 @@ schema = schemathesis.openapi.from_asgi(
 @pytest.fixture
 def service(postgres_schema: Any, clock: Clock) -> Iterator[FastAPI]:
     """The service over a PostgreSQL schema that holds what the path examples name
-    (PostgreSQL, the production store: it refuses more than SQLite, a NUL in a text)."""
+    (PostgreSQL, the production store: it refuses more than SQLite, a NUL in a text),
+    and a token of each role the cases carry (``app.state.tokens``)."""
     app = SchedulerApplication(env=postgres_schema.env(), now=clock)
     try:
         register(app, "runner-1", at=clock())
         create_sandbox(app, "sbx-1")
         app.schedule(schedule_request("sbx-1", clock()))
-        yield create_app(app)
+        tokens = {role: issue_token(app, role=role).token for role in (ADMIN, CONTROL_PLANE)}
+        service = create_app(app)
+        service.state.tokens = tokens
+        yield service
     finally:
         app.close()
+
+
+def authorization(case: Any, service: FastAPI) -> dict[str, str]:
+    """A bearer token of a role the case's operation admits."""
+    access = access_of(case.operation.method.upper(), case.operation.path)
+    assert access is not None, case.operation.path  # tests/test_http_access.py
+    role = CONTROL_PLANE if CONTROL_PLANE in access.roles else ADMIN
+    return {"Authorization": f"Bearer {service.state.tokens[role]}"}
 
 
 @pytest.mark.postgres
@@ -89,7 +108,10 @@ def test_every_answer_is_documented_and_a_refusal_writes_nothing(
     scheduler = service.state.scheduler
     assert isinstance(scheduler, SchedulerApplication)
     head = scheduler.head_position()
-    response = case.call_and_validate(checks=CHECKS, app=service)
+    response = case.call_and_validate(
+        checks=CHECKS, app=service, headers=authorization(case, service)
+    )
+    assert response.status_code not in (401, 403), response.text
     if response.status_code < 400:
         return
     code = response.json().get("code")

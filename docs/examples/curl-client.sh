@@ -3,6 +3,7 @@
 #
 #   bash docs/examples/curl-client.sh [BASE_URL]      (default http://127.0.0.1:8080)
 #   RUNNER=runner-7 SANDBOX=sbx-42 bash docs/examples/curl-client.sh
+#   TOKEN=sbt_... bash docs/examples/curl-client.sh   (a control-plane token, once any exists)
 #
 # Registers (or re-registers, idempotently) a runner and heartbeats it, creates a
 # sandbox, schedules its current generation (and sends the same request again: a
@@ -14,6 +15,8 @@ set -euo pipefail
 BASE=${1:-http://127.0.0.1:8080}
 RUNNER=${RUNNER:-runner-1}
 SANDBOX=${SANDBOX:-sbx-$RANDOM$RANDOM}
+auth=()
+if [ -n "${TOKEN:-}" ]; then auth=(-H "Authorization: Bearer $TOKEN"); fi
 body=$(mktemp) headers=$(mktemp)
 trap 'rm -f "$body" "$headers"' EXIT
 
@@ -21,7 +24,7 @@ call() {  # call METHOD PATH [JSON]: print the answer; the status is left in $st
   local attempt
   for attempt in 1 2 3 4 5 6 7 8 9 10; do
     status=$(curl -sS -o "$body" -D "$headers" -w '%{http_code}' -X "$1" \
-      -H 'content-type: application/json' ${3:+--data "$3"} "$BASE$2")
+      -H 'content-type: application/json' ${auth[@]+"${auth[@]}"} ${3:+--data "$3"} "$BASE$2")
     echo "$1 $2 -> $status"; cat "$body"; echo
     [ "$status" != 503 ] && return 0
     sleep "$(sed -n 's/^retry-after: *\([0-9]*\).*/\1/Ip' "$headers" | tr -d '\r')"

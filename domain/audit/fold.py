@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 
 from eventsourcing.utils import get_topic
 
+from secondbox_scheduler.domain.access_tokens import ACCESS_TOKEN_EVENTS
 from secondbox_scheduler.domain.audit.log_times import LogTimes
 from secondbox_scheduler.domain.audit.runner_checks import RunnerChecks
 from secondbox_scheduler.domain.audit.sandbox_checks import SandboxChecks
@@ -84,6 +85,12 @@ class AuditFold(RunnerChecks, SandboxChecks, LogTimes):
             RefusalLog.Opened: (
                 "opens a sandbox's refusal log and records nothing else: each refusal is "
                 "its own RefusalLog.Refused"
+            ),
+            **dict.fromkeys(
+                ACCESS_TOKEN_EVENTS,
+                "access tokens decide who may call the service, not capacity or authority "
+                "over a sandbox: no invariant reads them (the log's time order, stream "
+                "versions and chain are checked for them as for every event)",
             ),
         }
     )

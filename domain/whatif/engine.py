@@ -33,6 +33,7 @@ from uuid import UUID
 
 from eventsourcing.utils import get_topic
 
+from secondbox_scheduler.domain.access_tokens import ACCESS_TOKEN_EVENTS
 from secondbox_scheduler.domain.errors import InvalidRequestError
 from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
 from secondbox_scheduler.domain.lease import RunnerLease, materialization_snapshots
@@ -84,6 +85,9 @@ class WhatIf:
         FencingTokenUse.Used: (
             "the token index saved with each fence: nothing to replay (the fence itself, "
             "Sandbox.AssignmentFenced, is)"
+        ),
+        **dict.fromkeys(
+            ACCESS_TOKEN_EVENTS, "who may call the service changes no placement: nothing to replay"
         ),
     }
 

@@ -3,7 +3,8 @@
 :func:`state_at` folds the log up to a position or a time with
 :class:`secondbox_scheduler.domain.audit.fold.AuditFold` (:func:`.log_fold.fold`);
 :func:`timeline` and :func:`explain` read one sandbox's or one runner's streams and the
-evidence recorded with each decision. No aggregate cache, no projection. The CLI's
+evidence recorded with each decision, each with the actor who asked for it (None:
+unknown, an event recorded before 0.3). No aggregate cache, no projection. The CLI's
 ``audit state``, ``audit timeline`` and ``audit explain`` print what these return.
 """
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from secondbox_scheduler.domain.actors import ActorRecord, actor_of
 from secondbox_scheduler.domain.assignment import to_durable_assignment
 from secondbox_scheduler.domain.errors import (
     InvalidRequestError,
@@ -56,6 +58,7 @@ class TimelineEntry:
     version: int
     event: str
     fields: dict[str, Any]
+    actor: ActorRecord | None = None  # who asked; None: unknown (recorded before 0.3)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -63,11 +66,12 @@ class TimelineEntry:
             "stream": self.stream,
             "version": self.version,
             "event": self.event,
+            "actor": self.actor,
             "fields": self.fields,
         }
 
 
-_SKIP = {"originator_id", "originator_version", "timestamp", "originator_topic"}
+_SKIP = {"originator_id", "originator_version", "timestamp", "originator_topic", "actor"}
 
 
 def _fields(event: Any) -> dict[str, Any]:
@@ -132,6 +136,7 @@ def timeline(
                     event.originator_version,
                     type(event).__qualname__,
                     _fields(event),
+                    actor_of(event),
                 )
             )
     if not entries:
@@ -165,6 +170,7 @@ class Decision:
     summary: str
     candidates: list[CandidateLine]
     detail: dict[str, Any] = field(default_factory=dict)
+    actor: ActorRecord | None = None  # who asked for the command that decided
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -172,6 +178,7 @@ class Decision:
             "decided_at": self.decided_at.isoformat(),
             "heartbeat_timeout_seconds": self.heartbeat_timeout_seconds,
             "summary": self.summary,
+            "actor": self.actor,
             "candidates": [c.to_dict() for c in self.candidates],
             "detail": self.detail,
         }
@@ -186,7 +193,9 @@ class Explanation:
         return {"sandbox_id": self.sandbox_id, "decisions": [d.to_dict() for d in self.decisions]}
 
 
-def _decision(title: str, record: dict[str, Any], chosen: str | None, **detail: Any) -> Decision:
+def _decision(
+    title: str, record: dict[str, Any], chosen: str | None, event: Any, **detail: Any
+) -> Decision:
     evaluations = [RunnerEvaluation.from_record(c) for c in record["candidates"]]
     lines = []
     for candidate, evaluation in zip(record["candidates"], evaluations, strict=True):
@@ -216,6 +225,7 @@ def _decision(title: str, record: dict[str, Any], chosen: str | None, **detail: 
         summarize_refusals(evaluations, unlisted),
         lines,
         detail,
+        actor_of(event),
     )
 
 
@@ -236,7 +246,7 @@ def explain(
             decision = event.home_decision
             timed.append((event.timestamp, 0, _decision(
                 f"home runner chosen by create_sandbox: {decision['chosen_runner_id']}",
-                decision, decision["chosen_runner_id"],
+                decision, decision["chosen_runner_id"], event,
                 pool=event.requirements["pool_name"],
                 architecture=event.requirements["architecture"],
             )))  # fmt: skip
@@ -248,7 +258,7 @@ def explain(
             timed.append((event.timestamp, 1, _decision(
                 f"generation {record['generation']}: assignment {record['id']} fenced on "
                 f"home runner {record['runner_id']} (attempt {placement.get('attempt', 0)})",
-                placement, record["runner_id"],
+                placement, record["runner_id"], event,
                 heartbeat=runner["last_heartbeat_at"], reserved_before=runner["reserved"],
                 allocatable=runner["allocatable"], requested=placement["requested"],
                 runner_version=placement["runner_version"],
@@ -268,6 +278,6 @@ def explain(
             "heartbeat_timeout_seconds": event.heartbeat_timeout_seconds,
         }
         timed.append((event.timestamp, 2, _decision(
-            f"{what} refused ({event.error})", record, None)))  # fmt: skip
+            f"{what} refused ({event.error})", record, None, event)))  # fmt: skip
     decisions = [decision for _, _, decision in sorted(timed, key=lambda t: (t[0], t[1]))]
     return Explanation(sandbox_id, decisions)

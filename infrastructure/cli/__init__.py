@@ -10,7 +10,7 @@ fault of ours.
 This module builds the typer app ``cli`` from the command groups, one module each:
 ``simulate``, ``inspection`` (``runners``, ``assignments``), ``faults`` (``verify``),
 ``lifecycle`` (``reconcile``, ``release``), ``serve`` (the HTTP service),
-``projections``, ``audit`` and ``bench``;
+``projections``, ``audit``, ``bench``, ``db`` and ``tokens`` (access tokens);
 ``common`` holds what they share.
 """
 
@@ -23,6 +23,7 @@ from typing import Annotated
 import typer
 
 from secondbox_scheduler.domain.errors import SchedulerError
+from secondbox_scheduler.infrastructure.acting import acting_as, command_line_actor
 from secondbox_scheduler.infrastructure.cli import (
     audit,
     bench,
@@ -33,6 +34,7 @@ from secondbox_scheduler.infrastructure.cli import (
     projections,
     serve,
     simulate,
+    tokens,
 )
 from secondbox_scheduler.infrastructure.cli.common import say_error, shown
 from secondbox_scheduler.infrastructure.exit_codes import (
@@ -78,6 +80,7 @@ def _print_version(wanted: bool) -> None:
 
 @cli.callback()
 def _root(
+    context: typer.Context,
     version: Annotated[
         bool,
         typer.Option(
@@ -89,6 +92,8 @@ def _root(
     ] = False,
 ) -> None:
     """The options of the command line itself (see --help)."""
+    # every command's events record `cli` and the OS user (docs/events.md, "The actor")
+    context.with_resource(acting_as(command_line_actor()))
 
 
 # The top-level commands, in the order --help lists them; then the command groups.
@@ -103,6 +108,7 @@ cli.add_typer(projections.projections_cli, name="projections")
 cli.add_typer(audit.audit_cli, name="audit")
 cli.add_typer(bench.bench_cli, name="bench")
 cli.add_typer(db.db_cli, name="db")
+cli.add_typer(tokens.tokens_cli, name="tokens")
 
 
 def main() -> None:

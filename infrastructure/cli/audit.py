@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from secondbox_scheduler.domain.actors import describe_actor
 from secondbox_scheduler.infrastructure.cli.common import (
     DatabaseUrl,
     JsonOutput,
@@ -202,7 +203,8 @@ def audit_state(
     "timeline",
     help=(
         "One sandbox's history (with its refused placements) or one runner's (with its "
-        "heartbeat lease), in time order.\n\n[bold]Examples[/bold]\n\n"
+        "heartbeat lease), in time order, each event with the actor who asked for it "
+        "(unknown: recorded before 0.3).\n\n[bold]Examples[/bold]\n\n"
         "  secondbox-scheduler audit timeline --sandbox sbx-0001\n"
         "  secondbox-scheduler audit timeline --runner general-01"
     ),
@@ -229,7 +231,7 @@ def audit_timeline(
         title=f"Timeline of {subject}",
         box=box.SIMPLE,
     )
-    for column in ("time", "stream", "v", "event", "fields"):
+    for column in ("time", "stream", "v", "event", "actor", "fields"):
         table.add_column(column)
     for entry in entries:
         fields = ", ".join(f"{k}={v}" for k, v in entry.fields.items())
@@ -238,6 +240,7 @@ def audit_timeline(
             shown(entry.stream),
             str(entry.version),
             entry.event,
+            shown(describe_actor(entry.actor)),
             shown(fields),
         )
     stdout().print(table)
@@ -248,7 +251,8 @@ def audit_timeline(
     help=(
         "Why this sandbox's home runner, why each generation's runner, and why each refused "
         "placement: every candidate's reason codes and capacity shortfall, and a one-line "
-        "summary in kube-scheduler's manner, from the evidence recorded at decision time."
+        "summary in kube-scheduler's manner, from the evidence recorded at decision time, "
+        "and who asked for each decision."
         "\n\n[bold]Examples[/bold]\n\n"
         "  secondbox-scheduler audit explain --sandbox sbx-0001\n"
         "  secondbox-scheduler audit explain --sandbox sbx-0001 --generation 2 --json"
@@ -284,6 +288,7 @@ def audit_explain(
             f"(heartbeat timeout {decision.heartbeat_timeout_seconds:g}s)"
         )
         console.print(f"  {shown(decision.summary)}")
+        console.print(f"  asked by: {shown(describe_actor(decision.actor))}")
         for key, value in decision.detail.items():
             console.print(f"  {key}: {shown(str(value))}")
         for line in decision.candidates:

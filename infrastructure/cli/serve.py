@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
+import ssl
 import sys
+from pathlib import Path
 from types import FrameType
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
 
-from secondbox_scheduler.domain.errors import InvalidRequestError
 from secondbox_scheduler.infrastructure.cli.common import (
     DatabaseUrl,
     JsonOutput,
@@ -29,6 +31,9 @@ from secondbox_scheduler.infrastructure.settings import (
     redact_url,
 )
 
+if TYPE_CHECKING:
+    from secondbox_scheduler.infrastructure.http.server import TlsFiles
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 # This module's top-level commands; the package's __init__ adds them to the app `cli`.
@@ -37,13 +42,17 @@ commands = typer.Typer()
 SERVE_HELP = (
     "Serve the scheduler over HTTP/JSON: every command and query under /v1 (runners, "
     "sandboxes, assignments, explain, timeline), the OpenAPI document at /openapi.json, "
-    "/healthz, /readyz and /metrics (Prometheus). Several serve processes on one "
+    "/healthz, /readyz and /metrics (Prometheus). Once any access token exists "
+    "(secondbox-scheduler tokens), every route but /healthz and /readyz needs one; beyond "
+    "a loopback address serve requires tokens and TLS (--tls-cert, --tls-key) unless "
+    "--insecure. Several serve processes on one "
     "PostgreSQL database are replicas. Stops on Ctrl-C or SIGTERM (after the requests in "
     "flight). See docs/operations.md, "
     '"The HTTP service".\n\n'
     "[bold]Examples[/bold]\n\n"
     "  secondbox-scheduler serve --database-url postgresql://postgres@127.0.0.1:5432/sched\n"
-    "  secondbox-scheduler serve --port 0 --json   # a free port, named on stdout"
+    "  secondbox-scheduler serve --port 0 --json   # a free port, named on stdout\n"
+    "  secondbox-scheduler serve --host 0.0.0.0 --tls-cert cert.pem --tls-key key.pem"
 )
 
 
@@ -88,6 +97,44 @@ def serve(
         str,
         typer.Option("--log-level", help="Level of the server's own log lines (JSON, stderr)."),
     ] = "warning",
+    tls_cert: Annotated[
+        Path | None,
+        typer.Option(
+            "--tls-cert",
+            help="Serve HTTPS with this certificate chain (PEM); needs --tls-key.",
+            show_default=False,
+        ),
+    ] = None,
+    tls_key: Annotated[
+        Path | None,
+        typer.Option("--tls-key", help="The certificate's private key (PEM).", show_default=False),
+    ] = None,
+    tls_client_ca: Annotated[
+        Path | None,
+        typer.Option(
+            "--tls-client-ca",
+            help="Also require every client to present a certificate signed by this CA "
+            "bundle (PEM): mutual TLS, in addition to the bearer token.",
+            show_default=False,
+        ),
+    ] = None,
+    insecure: Annotated[
+        bool,
+        typer.Option(
+            "--insecure",
+            help="Listen on a non-loopback address even without access tokens or TLS "
+            "(anyone who reaches the port may then call the service, or read the tokens "
+            "in transit).",
+        ),
+    ] = False,
+    open_metrics: Annotated[
+        bool,
+        typer.Option(
+            "--open-metrics",
+            help="Serve /metrics without a token (for a Prometheus that holds none); by "
+            "default, once any token exists, /metrics needs one of a reading role.",
+        ),
+    ] = False,
     as_json: JsonOutput = False,
 ) -> None:
     needs_extra("server", "serve")
@@ -99,6 +146,7 @@ def serve(
         disable_created_metrics,
     )
 
+    from secondbox_scheduler.infrastructure.access.tokens import load_tokens
     from secondbox_scheduler.infrastructure.http import create_app
     from secondbox_scheduler.infrastructure.http.request_log import log_config
     from secondbox_scheduler.infrastructure.http.server import (
@@ -109,15 +157,22 @@ def serve(
 
     if log_level not in LOG_LEVELS:
         fail(f"--log-level takes one of {', '.join(LOG_LEVELS)}; got {escape(log_level)!r}")
+    tls = tls_files(tls_cert, tls_key, tls_client_ca)
     disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series
     with reported_errors(), store_errors(database_url):
         scheduler = open_store(database_url, must_exist=False)
-        if max_read_model_lag is None:
-            try:
+        try:
+            if max_read_model_lag is None:
                 max_read_model_lag = ready_max_lag(scheduler.env.get(READY_MAX_LAG))
-            except InvalidRequestError:
-                scheduler.close()
-                raise
+            stored = load_tokens(scheduler)
+        except BaseException:
+            scheduler.close()
+            raise
+    tokens = len(stored.tokens) if stored is not None else 0
+    exposed = exposure(host, tokens=tokens, tls=tls is not None)
+    if exposed and not insecure:
+        scheduler.close()
+        fail(escape(f"refusing to listen on {host}: {exposed}; or pass --insecure"))
     try:
         registry = CollectorRegistry()  # the service's own; the process-wide one is untouched
         for collector in (ProcessCollector, PlatformCollector, GCCollector):
@@ -128,22 +183,35 @@ def serve(
             max_read_model_lag=max_read_model_lag,
             max_body_bytes=max_body_bytes,
             access_log=access_log,
+            open_metrics=open_metrics,
         )
         try:
             sock = listening_socket(host, port)
         except OSError as error:
             fail(escape(f"cannot listen on {host}:{port}: {error.strerror or error}"))
-        url = base_url(sock)
+        url = base_url(sock, tls=tls is not None)
+        access = access_line(tokens, open_metrics=open_metrics)
         if as_json:
-            line = {"url": url, "pid": os.getpid(), "database": redact_url(database_url)}
+            line = {
+                "url": url,
+                "pid": os.getpid(),
+                "database": redact_url(database_url),
+                "tls": tls is not None,
+                "client_certificates": tls is not None and tls.client_ca is not None,
+                "tokens_required": tokens > 0,
+            }
             sys.stdout.write(json.dumps(line) + "\n")
             sys.stdout.flush()
         else:
-            say_listening(url, database_url)
+            say_listening(url, database_url, access)
+        if exposed:  # --insecure
+            sys.stderr.write(f"warning: {exposed} (--insecure)\n")
         # uvicorn shuts down gracefully on SIGTERM, then raises it again: end then with
         # exit code 0 and the store closed, as after Ctrl-C (which exits with 130).
         signal.signal(signal.SIGTERM, _exit_cleanly)
-        server = make_server(app, sock, log_level=log_level, log_config=log_config(log_level))
+        server = make_server(
+            app, sock, log_level=log_level, log_config=log_config(log_level), tls=tls
+        )
         server.run(sockets=[sock])
     finally:
         scheduler.close()
@@ -153,10 +221,65 @@ def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
-def say_listening(url: str, database_url: str) -> None:
-    """One line on stderr: where the service listens and on which store."""
+def say_listening(url: str, database_url: str, access: str = "") -> None:
+    """One line on stderr: where the service listens, on which store, who may call."""
     sys.stderr.write(
         f"secondbox-scheduler serving {url} (store {redact_url(database_url)}); "
-        f"OpenAPI at {url}/openapi.json, metrics at {url}/metrics\n"
+        f"OpenAPI at {url}/openapi.json, metrics at {url}/metrics"
+        + (f"; {access}" if access else "")
+        + "\n"
     )
     sys.stderr.flush()
+
+
+def access_line(tokens: int, *, open_metrics: bool) -> str:
+    if not tokens:
+        return "no access token issued: every route is open (secondbox-scheduler tokens create)"
+    metrics = "; /metrics open" if open_metrics else ""
+    return f"bearer tokens required ({tokens} issued){metrics}"
+
+
+def tls_files(cert: Path | None, key: Path | None, client_ca: Path | None) -> TlsFiles | None:
+    """The TLS files of the options, loaded once to fail now (exit 2) on a bad one."""
+    from secondbox_scheduler.infrastructure.http.server import TlsFiles
+
+    if cert is None and key is None:
+        if client_ca is not None:
+            fail("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if cert is None or key is None:
+        fail("give both --tls-cert and --tls-key")
+    files = TlsFiles(str(cert), str(key), None if client_ca is None else str(client_ca))
+    try:
+        files.check()
+    except (ssl.SSLError, OSError) as error:
+        fail(escape(f"cannot load the TLS files {cert}, {key}: {error.strerror or error}"))
+    return files
+
+
+def exposure(host: str, *, tokens: int, tls: bool) -> str:
+    """Why listening on ``host`` exposes the service ("" when it does not): beyond
+    loopback it needs both access tokens and TLS."""
+    if is_loopback(host):
+        return ""
+    missing = [
+        what
+        for what, present in (
+            ("no access token exists (secondbox-scheduler tokens create)", tokens > 0),
+            ("no TLS (--tls-cert, --tls-key)", tls),
+        )
+        if not present
+    ]
+    if not missing:
+        return ""
+    return f"{host} is not a loopback address and " + " and ".join(missing)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is reachable from this machine only."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything

@@ -11,13 +11,17 @@ that another one needs (the scheduler serializes through the database).
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from prometheus_client import CollectorRegistry
 
 import secondbox_scheduler.infrastructure.http.health as health
 import secondbox_scheduler.infrastructure.http.runners as runners
 import secondbox_scheduler.infrastructure.http.sandboxes as sandboxes
+import secondbox_scheduler.infrastructure.http.tokens as tokens
+from secondbox_scheduler.infrastructure.access.cache import TokenCache
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.http.authentication import Authentication
+from secondbox_scheduler.infrastructure.http.authorization import authorize
 from secondbox_scheduler.infrastructure.http.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from secondbox_scheduler.infrastructure.http.errors import install_error_handlers, problem_openapi
 from secondbox_scheduler.infrastructure.http.request_log import RequestLog
@@ -40,9 +44,14 @@ The SecondBox scheduler over HTTP/JSON: every command and query of
 `SchedulerApplication` (runners, sandboxes, assignments, explanations, timelines),
 health and Prometheus metrics.
 
+Once any access token exists (`secondbox-scheduler tokens create`), every route but
+`/healthz` and `/readyz` needs `Authorization: Bearer <token>`; the token's role
+(`runner`, `control-plane`, `auditor`, `admin`) decides which routes it may call.
+
 Errors are RFC 9457 problem details (`application/problem+json`: `type`, `title`,
 `status`, `detail`, `instance`) with the extension members `code` (stable, to match on),
 `retryable`, `request_id` and, as they apply, `field`, `rule`, `reason`, `reasons`:
+401 no valid token, 403 a role that may not,
 422 invalid input, 404 unknown, 409 stale fence or conflict (and refused placements),
 413 a body past the maximum size (`serve --max-body-bytes`, default 1 MiB), 503 with
 `Retry-After` for contention and an unavailable store. Commands are idempotent by the
@@ -61,13 +70,17 @@ def create_app(
     max_read_model_lag: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     access_log: bool = False,
+    open_metrics: bool = False,
 ) -> FastAPI:
     """The service over ``scheduler``. Its metrics go to ``registry``, or to the
     registry the scheduler already exports to, or to a new one; ``/metrics`` serves it.
     ``max_read_model_lag``: the events a read model may lag before ``/readyz`` answers
     503; by default the scheduler's ``SECONDBOX_READY_MAX_LAG`` (1,000 when unset). A
     request body of more than ``max_body_bytes`` is refused, 413, before it is read.
-    ``access_log``: log every request (:mod:`.request_log`), not only the 5xx ones."""
+    ``access_log``: log every request (:mod:`.request_log`), not only the 5xx ones.
+
+    Once any access token exists, every route but the health probes (and ``/metrics``
+    with ``open_metrics``) needs one (:mod:`.authentication`)."""
     if max_read_model_lag is None:
         max_read_model_lag = ready_max_lag(scheduler.env.get(READY_MAX_LAG))
     sink = scheduler.metrics.sink
@@ -80,6 +93,7 @@ def create_app(
         version=API_VERSION,
         description=DESCRIPTION,
         openapi_url="/openapi.json",
+        dependencies=[Depends(authorize)],
     )
     app.state.scheduler = scheduler
     app.state.registry = exporter.registry
@@ -89,6 +103,13 @@ def create_app(
     app.include_router(runners.router)
     app.include_router(sandboxes.router)
     app.include_router(health.router)
+    app.include_router(tokens.router)
+    app.add_middleware(  # who calls (401); the dependency `authorize`: whether they may (403)
+        Authentication,
+        tokens=TokenCache(scheduler),
+        scheduler=scheduler,
+        open_metrics=open_metrics,
+    )
     app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
     # Added last, so outermost: it also times (and counts) the 413s of BodyLimit.
     app.add_middleware(RequestMetrics, histogram=request_histogram(exporter.registry))

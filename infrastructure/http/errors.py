@@ -21,6 +21,9 @@ a dotted path into the JSON body, or the name of a path or query parameter); ``r
 for an unavailable store (``connection-refused``, ``timeout``, ...); ``reasons`` for a
 refused placement (runners refusing per reason code). The statuses:
 
+- 401 ``unauthorized`` (with ``WWW-Authenticate: Bearer``): no valid bearer token, once
+  any token exists; 403 ``forbidden``: the token's role may not call the route, or a
+  runner token acts for a runner it does not name (``infrastructure/http/access.py``);
 - 413 ``body_too_large``: the body is past the service's maximum (``serve
   --max-body-bytes``, default 1 MiB); refused before it was read, nothing was written;
 - 422 ``invalid_request``: fix the named field; nothing was written;
@@ -56,6 +59,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
 
 from secondbox_scheduler.domain.errors import (
+    AccessTokenNotFoundError,
     AlreadyExistsError,
     AssignmentNotFoundError,
     CapacityExceededError,
@@ -77,6 +81,10 @@ from secondbox_scheduler.domain.errors import (
     SerializationContentionError,
     StaleFenceError,
 )
+from secondbox_scheduler.infrastructure.access.errors import (
+    PermissionDeniedError,
+    UnauthenticatedError,
+)
 from secondbox_scheduler.infrastructure.metrics import refusal_reasons
 from secondbox_scheduler.infrastructure.store.startup import StoreUnavailableError
 from secondbox_scheduler.projections.read_models import ReadModelAheadError
@@ -93,6 +101,9 @@ STATUS_AND_CODE: dict[type[BaseException], tuple[int, str]] = {
     RunnerNotFoundError: (404, "runner_not_found"),
     SandboxNotFoundError: (404, "sandbox_not_found"),
     AssignmentNotFoundError: (404, "assignment_not_found"),
+    AccessTokenNotFoundError: (404, "access_token_not_found"),
+    UnauthenticatedError: (401, "unauthorized"),
+    PermissionDeniedError: (403, "forbidden"),
     NotFoundError: (404, "not_found"),
     StaleFenceError: (409, "stale_fence"),
     AlreadyExistsError: (409, "already_exists"),
@@ -178,6 +189,17 @@ def _retry_after() -> dict[str, Any]:
 
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    401: {
+        "model": Problem,
+        "description": "No valid bearer token (once any token exists).",
+        "headers": {
+            "WWW-Authenticate": {
+                "description": "Bearer, with the realm.",
+                "schema": {"type": "string"},
+            }
+        },
+    },
+    403: {"model": Problem, "description": "The token's role may not do this."},
     404: {"model": Problem, "description": "Unknown runner, sandbox or assignment."},
     409: {
         "model": Problem,

@@ -19,7 +19,8 @@ the store, both timed out, queued for the same 40 threads as the requests): they
 running its probe on threads of its own (``PROBE_THREADS``) and waiting for it at most
 ``PROBE_TIMEOUT_SECONDS`` (then 503, ``store: unavailable: no answer within ...``).
 
-- ``/metrics``: the Prometheus text format of the service's registry
+- ``/metrics``: (a token of a reading role once any token exists, unless ``serve
+  --open-metrics``) the Prometheus text format of the service's registry
   (:mod:`secondbox_scheduler.infrastructure.metrics`, the HTTP request histogram, and
   the process collectors).
 """
@@ -39,7 +40,7 @@ from starlette.responses import Response
 from secondbox_scheduler.domain.errors import SchedulerError
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.http.common import respond
-from secondbox_scheduler.infrastructure.http.errors import RETRY_AFTER_STORE
+from secondbox_scheduler.infrastructure.http.errors import ERROR_RESPONSES, RETRY_AFTER_STORE
 from secondbox_scheduler.infrastructure.http.readiness import read_model_readiness
 from secondbox_scheduler.infrastructure.store.startup import StoreUnavailableError
 
@@ -150,7 +151,9 @@ def _probe(app: SchedulerApplication, readiness: Readiness) -> Readiness:
         200: {
             "description": "The Prometheus text exposition format.",
             "content": {"text/plain": {"schema": {"type": "string"}}},
-        }
+        },
+        401: ERROR_RESPONSES[401],  # once any token exists, unless serve --open-metrics
+        403: ERROR_RESPONSES[403],
     },
 )
 def metrics(request: Request) -> Response:

@@ -336,11 +336,28 @@ class Generation(BaseModel):
 # -- audit --------------------------------------------------------------------
 
 
+class ActorOut(BaseModel):
+    """Who asked for the command that recorded an event (docs/events.md, "The actor")."""
+
+    kind: str = Field(description="token, anonymous, library or cli.")
+    name: str | None = Field(
+        default=None,
+        description="The token's id, the client address, the embedder's name or the OS user.",
+    )
+    role: str | None = Field(default=None, description="A token's role.")
+
+
+ACTOR_FIELD = Field(
+    default=None, description="Who asked; null: unknown (an event recorded before 0.3)."
+)
+
+
 class TimelineEntryOut(BaseModel):
     time: datetime
     stream: str
     version: int
     event: str
+    actor: ActorOut | None = ACTOR_FIELD
     fields: dict[str, Any]
 
 
@@ -360,6 +377,7 @@ class DecisionOut(BaseModel):
     decided_at: datetime
     heartbeat_timeout_seconds: float
     summary: str
+    actor: ActorOut | None = ACTOR_FIELD
     candidates: list[CandidateOut]
     detail: dict[str, Any]
 

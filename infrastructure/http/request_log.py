@@ -42,7 +42,7 @@ REQUEST_LOGGER = "secondbox_scheduler.http.requests"
 REQUEST_ID_HEADER = b"x-request-id"
 CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 UNMATCHED = "unmatched"
-ACTOR_FIELDS = ("id", "role", "name")
+ACTOR_FIELDS = ("kind", "id", "role", "name")
 # the standard attributes of a LogRecord: anything else on a record is a field of its own
 # (and uvicorn's coloured copy of its message)
 _RECORD_ATTRIBUTES = frozenset(vars(logging.makeLogRecord({}))) | {

@@ -8,9 +8,11 @@ until uvicorn accepts them), and lets tests run a server in a thread on a free p
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
@@ -37,9 +39,27 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def base_url(sock: socket.socket) -> str:
+@dataclass(frozen=True)
+class TlsFiles:
+    """The service's TLS: its certificate chain and key (PEM), and, to ask every client
+    for a certificate signed by it, a CA bundle (``serve --tls-client-ca``)."""
+
+    certificate: str
+    key: str
+    client_ca: str | None = None
+
+    def check(self) -> None:
+        """``ssl.SSLError`` or ``OSError`` now, rather than when the server starts."""
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.certificate, self.key)
+        if self.client_ca is not None:
+            context.load_verify_locations(cafile=self.client_ca)
+
+
+def base_url(sock: socket.socket, *, tls: bool = False) -> str:
     host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    scheme = "https" if tls else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def make_server(
@@ -48,6 +68,7 @@ def make_server(
     *,
     log_level: str = "warning",
     log_config: dict[str, Any] | None = None,
+    tls: TlsFiles | None = None,
 ) -> uvicorn.Server:
     """uvicorn on ``sock``; its access log is off (the service's own request log,
     :mod:`.request_log`, writes the requests). ``log_config``: uvicorn's logging
@@ -62,19 +83,25 @@ def make_server(
         access_log=False,
         lifespan="off",
         server_header=False,
+        ssl_certfile=tls.certificate if tls else None,
+        ssl_keyfile=tls.key if tls else None,
+        ssl_ca_certs=tls.client_ca if tls else None,
+        ssl_cert_reqs=ssl.CERT_REQUIRED if tls and tls.client_ca else ssl.CERT_NONE,
     )
     return uvicorn.Server(config)
 
 
 @contextmanager
-def serving_in_thread(app: ASGIApp, host: str = "127.0.0.1") -> Iterator[str]:
+def serving_in_thread(
+    app: ASGIApp, host: str = "127.0.0.1", *, tls: TlsFiles | None = None
+) -> Iterator[str]:
     """Serve ``app`` on a free port of ``host`` in a thread; yields its base URL."""
     sock = listening_socket(host, 0)
-    server = make_server(app, sock)
+    server = make_server(app, sock, tls=tls)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        yield base_url(sock)
+        yield base_url(sock, tls=tls is not None)
     finally:
         server.should_exit = True
         thread.join(timeout=10)

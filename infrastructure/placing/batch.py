@@ -33,6 +33,7 @@ from uuid import UUID
 
 from eventsourcing.persistence import IntegrityError
 
+from secondbox_scheduler.domain.actors import ActorRecord
 from secondbox_scheduler.domain.errors import (
     HomeRunnerUnavailableError,
     InvalidRequestError,
@@ -60,6 +61,7 @@ from secondbox_scheduler.domain.refusals import OPERATION_SCHEDULE, Refusal
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.sandbox import TOKEN_REUSED, Sandbox
 from secondbox_scheduler.domain.values import ScheduleRequest
+from secondbox_scheduler.infrastructure.acting import stamp
 from secondbox_scheduler.infrastructure.placing.port import Outcome, PlacementStore
 
 
@@ -78,6 +80,7 @@ class _Decision:
     stale: bool = False  # read a runner that saw a commit its sandbox read missed
     attempt: int = 0  # the lost races before this round (recorded with the placement)
     token: FencingTokenUse | None = None
+    actor: ActorRecord | None = None  # who asked: recorded on its events (acting.py)
 
 
 class PlacementBatch:
@@ -85,20 +88,27 @@ class PlacementBatch:
 
     def __init__(self, store: PlacementStore) -> None:
         self.store = store
+        self._actors: Sequence[ActorRecord | None] = ()
 
     def run(self, requests: Sequence[ScheduleRequest]) -> list[Outcome]:
         """Every request's answer (``schedule_many``: none deferred)."""
-        outcomes = self.run_deferring(requests, [False] * len(requests))
+        outcomes = self.run_deferring(requests, [False] * len(requests), ())
         return [outcome for outcome in outcomes if outcome is not None]
 
     def run_deferring(
-        self, requests: Sequence[ScheduleRequest], deferrable: Sequence[bool]
+        self,
+        requests: Sequence[ScheduleRequest],
+        deferrable: Sequence[bool],
+        actors: Sequence[ActorRecord | None] = (),
     ) -> list[Outcome | None]:
         """Every request's answer, or None for a deferrable request whose home runner
         another replica's batch holds (its lock tried without waiting): the batcher
         queues it again, first, for the next batch, where it waits for the lock. The
         others go on at once; requests on different runners touch different streams,
-        so the answers are still those of a serial execution in arrival order."""
+        so the answers are still those of a serial execution in arrival order.
+        ``actors``: who asked for each request (the batcher's callers), recorded on that
+        request's events and refusal; none given: the context's, when saved."""
+        self._actors = actors
         outcomes: list[Outcome | None] = [None] * len(requests)
         conflicts = [0] * len(requests)
         todo = list(range(len(requests)))
@@ -168,6 +178,8 @@ class PlacementBatch:
         decisions = []
         for index, request, attempt in pending:
             decision = _Decision(index, request, attempt=attempt)
+            if index < len(self._actors):
+                decision.actor = self._actors[index]
             decisions.append(decision)
             decision.read.add(sandbox_uuid(request.sandbox_id))
             try:
@@ -232,6 +244,7 @@ class PlacementBatch:
             return decided.error
         if isinstance(decided, Placed):
             decision.events = [e for a in decided.aggregates for e in a.collect_events()]
+            stamp(decision.events, decision.actor)
             decision.token = decided.token
             decision.aggregates = list(decided.aggregates)
             return decided.assignment, True
@@ -342,7 +355,7 @@ def _refusal(decision: _Decision) -> Refusal | None:
     assert request.now is not None
     return Refusal(
         request.sandbox_id, OPERATION_SCHEDULE, decision.generation, decision.refusal,
-        request.now, request.heartbeat_timeout,
+        request.now, request.heartbeat_timeout, actor=decision.actor,
     )  # fmt: skip
 
 

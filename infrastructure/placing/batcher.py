@@ -15,7 +15,8 @@ soon as they are all back. A call the batch handed back (its home runner was hel
 another replica's batch, :mod:`.runner_locks`) is queued again before every later call,
 and its next batch waits for the runner. A caller interrupted while it waits or leads
 leaves the queue and passes the lead on (its request, if a batch being run defers it, is
-not queued again). Settings: ``SECONDBOX_BATCH_SIZE`` (default 64) and
+not queued again). Each request's events record its own caller's actor
+(:mod:`..acting`), not the leader's. Settings: ``SECONDBOX_BATCH_SIZE`` (default 64) and
 ``SECONDBOX_BATCH_WAIT_MS`` (default 0: the regroup above; more: a leader waits that
 long for a full batch).
 """
@@ -29,7 +30,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 from eventsourcing.utils import strtobool
 
+from secondbox_scheduler.domain.actors import ActorRecord
 from secondbox_scheduler.domain.values import DurableAssignment, ScheduleRequest
+from secondbox_scheduler.infrastructure.acting import current_actor
 from secondbox_scheduler.infrastructure.placing.port import Outcome
 from secondbox_scheduler.infrastructure.settings import (
     BATCH_SIZE,
@@ -38,8 +41,12 @@ from secondbox_scheduler.infrastructure.settings import (
     batch_setting,
 )
 
-# A batch's decisions: each request's answer, None for one handed back to the next batch.
-PlaceDeferring = Callable[[Sequence[ScheduleRequest], Sequence[bool]], list[Outcome | None]]
+# A batch's decisions: each request's answer, None for one handed back to the next batch;
+# given the requests, whether each may be deferred, and each one's actor (who asked).
+PlaceDeferring = Callable[
+    [Sequence[ScheduleRequest], Sequence[bool], Sequence[ActorRecord | None]],
+    list[Outcome | None],
+]
 
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_BATCH_WAIT = 0.0
@@ -103,10 +110,11 @@ class _Signal:
 class _Slot:
     """One queued call: its request, then its answer or the lead."""
 
-    __slots__ = ("abandoned", "deferred", "done", "lead", "outcome", "request", "wake")
+    __slots__ = ("abandoned", "actor", "deferred", "done", "lead", "outcome", "request", "wake")
 
-    def __init__(self, request: ScheduleRequest) -> None:
+    def __init__(self, request: ScheduleRequest, actor: ActorRecord | None) -> None:
         self.request = request
+        self.actor = actor  # the caller's: its events record it, whoever leads the batch
         self.abandoned = False  # its caller was interrupted: never queued again
         self.outcome: Outcome | BaseException | None = None
         self.done = False
@@ -137,7 +145,7 @@ class PlacementBatcher:
         self._wanted = 0  # while a leader regroups: the calls it waits for
 
     def schedule(self, request: ScheduleRequest) -> tuple[DurableAssignment, bool]:
-        slot = _Slot(request)
+        slot = _Slot(request, current_actor())
         with self._arrived:
             self._queue.append(slot)
             self._last_arrival = time.monotonic()
@@ -168,7 +176,9 @@ class PlacementBatcher:
             self._last_size = len(batch)
         try:
             outcomes: Sequence[Outcome | BaseException | None] = self._run(
-                [s.request for s in batch], [not s.deferred for s in batch]
+                [s.request for s in batch],
+                [not s.deferred for s in batch],
+                [s.actor for s in batch],
             )
             if len(outcomes) != len(batch):
                 raise RuntimeError(f"{len(outcomes)} answers to a batch of {len(batch)}")

@@ -24,6 +24,12 @@ from eventsourcing.sqlite import SQLiteDatastore
 from eventsourcing.utils import EnvType, strtobool
 
 from secondbox_scheduler.domain.audit.chain import Chain
+from secondbox_scheduler.infrastructure.acting import (
+    ACTOR_SETTING,
+    actor_setting,
+    current_actor,
+    stamp,
+)
 from secondbox_scheduler.infrastructure.settings import (
     APPLICATION_RECORDER_TOPIC,
     AUDIT_KEY,
@@ -66,6 +72,11 @@ class StoredApplication(Application[UUID]):
     """An eventsourcing application on the scheduler's store (no commands)."""
 
     _may_create = True
+
+    def __init__(self, env: EnvType | None = None) -> None:
+        super().__init__(env)
+        # who the events of a command record when its context names nobody (acting.py)
+        self.default_actor = actor_setting(self.env.get(ACTOR_SETTING))
 
     def probe_store(self) -> None:
         """StoreUnavailableError unless the store answers now (one connection, no retries)."""
@@ -208,11 +219,13 @@ class StoredApplication(Application[UUID]):
         self._notify(recordings)
 
     def _record(self, processing_event: ProcessingEvent[UUID]) -> Any:
-        """The library's, with the snapshots due written in the same transaction (and,
+        """The library's, with each new event's actor set (:mod:`..acting`) and the
+        snapshots due written in the same transaction (and,
         on PostgreSQL, through the same function of the schema owner) on a chained
         PostgreSQL store: one commit for the events and the snapshots taken at them.
         The request-serving role may not insert a snapshot otherwise
         (docs/operations.md)."""
+        stamp(processing_event.events, current_actor() or self.default_actor)
         events_recorder, snapshots = self.recorder, self.snapshots
         if (
             snapshots is not None
