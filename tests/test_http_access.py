@@ -145,7 +145,7 @@ def test_every_operation_refuses_no_token_and_a_wrong_role_and_takes_the_right_o
     def call(role: str | None) -> int:
         response = service.client.request(method, path, json=body, headers=service.headers(role))
         if response.status_code in (401, 403):
-            assert response.json()["error"]["code"] in ("unauthorized", "forbidden")
+            assert response.json()["code"] in ("unauthorized", "forbidden")
         status: int = response.status_code
         return status
 
@@ -216,7 +216,7 @@ def test_a_runner_token_cannot_act_for_another_runner(service: Service) -> None:
         ),
     ]
     assert [r.status_code for r in refused] == [403] * len(refused), [r.text for r in refused]
-    assert all(r.json()["error"]["code"] == "forbidden" for r in refused)
+    assert all(r.json()["code"] == "forbidden" for r in refused)
     assert service.app.head_position() == head  # nothing written
 
 
@@ -271,7 +271,7 @@ def test_a_request_without_a_valid_token_is_401_with_a_bearer_challenge(
     headers = {} if authorization is None else {"Authorization": authorization}
     response = service.client.get("/v1/runners", headers=headers)
     assert response.status_code == 401
-    assert response.json()["error"]["code"] == "unauthorized"
+    assert response.json()["code"] == "unauthorized"
     challenge = response.headers["WWW-Authenticate"]
     assert challenge.startswith('Bearer realm="secondbox-scheduler"')
     assert ('error="invalid_token"' in challenge) == (authorization is not None)
@@ -334,12 +334,12 @@ def test_an_admin_issues_lists_and_revokes_tokens_over_http(service: Service) ->
     assert revoked.json() == {"id": issued["id"], "revoked": True}
     refused = service.client.get("/v1/runners", headers=mine)
     assert refused.status_code == 401
-    assert refused.json()["error"]["message"].endswith(f"token {issued['id']} is revoked")
+    assert refused.json()["detail"].endswith(f"token {issued['id']} is revoked")
     again = service.client.delete(f"/v1/tokens/{issued['id']}", headers=admin)
     assert again.json()["revoked"] is False
     unknown = service.client.delete("/v1/tokens/0123456789ab", headers=admin)
     assert unknown.status_code == 404
-    assert unknown.json()["error"]["code"] == "access_token_not_found"
+    assert unknown.json()["code"] == "access_token_not_found"
 
 
 def test_an_expired_token_is_refused(service: Service) -> None:
@@ -354,7 +354,7 @@ def test_an_expired_token_is_refused(service: Service) -> None:
     finally:
         clock.advance(seconds=-2 * 3600)
     assert expired.status_code == 401
-    assert expired.json()["error"]["message"].endswith(f"token {token.token_id} is expired")
+    assert expired.json()["detail"].endswith(f"token {token.token_id} is expired")
 
 
 def test_a_route_missing_from_the_table_is_refused_to_every_token(service: Service) -> None:
@@ -368,7 +368,7 @@ def test_a_route_missing_from_the_table_is_refused_to_every_token(service: Servi
         for role in ROLES:
             answer = client.get("/v1/unlisted", headers=service.headers(role))
             assert answer.status_code == 403, role
-            assert "in no role's access" in answer.json()["error"]["message"]
+            assert "in no role's access" in answer.json()["detail"]
 
 
 def test_with_no_token_issued_the_service_is_open_and_callers_anonymous(
@@ -411,7 +411,7 @@ def test_tokens_never_read_fail_the_request_closed_and_tokens_read_are_kept(
     with TestClient(create_app(service.app)) as client:  # a replica that never read them
         answer = client.get("/metrics", headers=headers)
         assert answer.status_code == 503
-        assert answer.json()["error"]["code"] == "store_unavailable"
+        assert answer.json()["code"] == "store_unavailable"
         assert client.get("/healthz").status_code == 200
 
 

@@ -21,10 +21,10 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from fastapi import FastAPI
 
 from secondbox_scheduler.infrastructure import SchedulerApplication
+from secondbox_scheduler.infrastructure.access.tokens import issue_token
 from secondbox_scheduler.infrastructure.http import create_app
 from secondbox_scheduler.infrastructure.http.errors import PROBLEM_JSON, PROBLEM_TYPE
 from secondbox_scheduler.infrastructure.http.request_log import (
@@ -158,18 +158,6 @@ class Actor:
     token: str = SECRET
 
 
-class SetsActor:
-    """Middleware standing in for the authentication: ``request.state.actor``."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            Request(scope).state.actor = Actor("tok-1", "control-plane")
-        await self.app(scope, receive, send)
-
-
 @contextmanager
 def served(app: FastAPI) -> Iterator[httpx.Client]:
     with serving_in_thread(app) as url, httpx.Client(base_url=url, timeout=30) as client:
@@ -197,9 +185,10 @@ def test_the_access_log_has_one_json_line_per_request(scheduler: SchedulerApplic
         ("/v1/runners", 201, "ok", None),
     ]
     assert [line["request_id"] for line in lines[:2]] == ["req-7.a:b", generated]
+    anonymous = {"kind": "anonymous", "name": "127.0.0.1"}  # no token issued yet
+    assert [line["actor"] for line in lines] == [None, anonymous, anonymous]  # health: none
     for line in lines:
         assert line["level"] == "info"
-        assert line["actor"] is None
         assert line["latency_ms"] >= 0
         assert line["method"] in ("GET", "POST")
         assert SECRET not in json.dumps(line)
@@ -221,15 +210,15 @@ def test_without_the_access_log_only_server_errors_are_logged(
     ]
 
 
-def test_the_actor_comes_from_the_request_state_without_its_secret(
-    scheduler: SchedulerApplication,
-) -> None:
+def test_the_actor_is_the_tokens_and_never_its_secret(scheduler: SchedulerApplication) -> None:
+    issued = issue_token(scheduler, role="control-plane")
     app = create_app(scheduler, access_log=True)
-    app.add_middleware(SetsActor)  # inside the request log, as an authentication would be
     with request_lines() as lines, served(app) as client:
-        client.get("/v1/runners")
-    assert [line["actor"] for line in lines] == [{"id": "tok-1", "role": "control-plane"}]
-    assert SECRET not in json.dumps(lines)
+        client.get("/v1/runners", headers={"Authorization": f"Bearer {issued.token}"})
+    assert [line["actor"] for line in lines] == [
+        {"kind": "token", "role": "control-plane", "name": issued.token_id}
+    ]
+    assert issued.token not in json.dumps(lines)
 
 
 @pytest.mark.parametrize(
