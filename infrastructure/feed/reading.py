@@ -144,13 +144,13 @@ def check_after(after: int) -> int:
     return after
 
 
-def page_limit(limit: int | None, default: int = DEFAULT_LIMIT, maximum: int = MAX_LIMIT) -> int:
-    """``limit`` as served: at least 1 (else refused), at most ``maximum``."""
+def page_limit(limit: int | None) -> int:
+    """``limit`` as served: at least 1 (else refused), at most :data:`MAX_LIMIT`."""
     if limit is None:
-        return default
+        return min(DEFAULT_LIMIT, MAX_LIMIT)
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise InvalidRequestError("limit", "must be a whole number of at least 1")
-    return min(limit, maximum)
+    return min(limit, MAX_LIMIT)
 
 
 def read_feed(
