@@ -248,7 +248,7 @@ def test_a_placement_on_the_stream_names_its_actor_and_the_feed_hides_token_dige
     assert issued.token not in page.text
 
 
-BAD_INPUT = [
+BAD_INPUT: list[tuple[dict[str, Any], dict[str, str], str]] = [
     ({"after": -1}, {}, "after"),
     ({"after": "x"}, {}, "after"),
     ({"after": 2**63}, {}, "after"),
