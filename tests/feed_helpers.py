@@ -6,11 +6,13 @@ holds it (the answer every follower must reach).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
+from eventsourcing.persistence import OperationalError
 
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.http import create_app
@@ -20,6 +22,21 @@ from secondbox_scheduler.infrastructure.http.server import (
     make_server,
 )
 from tests.factories import create_sandbox, register, schedule_request
+
+
+def opened(open_app: Callable[[], SchedulerApplication]) -> SchedulerApplication:
+    """``open_app()``, again while SQLite answers "database is locked": opening an
+    application creates its tables if need be, and on SQLite that write fails at once,
+    without waiting, when another connection wrote since it began (the library's
+    deferred transaction), which the writers of these tests do all the time."""
+    for _ in range(100):
+        try:
+            return open_app()
+        except OperationalError as error:
+            if "locked" not in str(error):
+                raise
+            time.sleep(0.05)
+    return open_app()
 
 
 @dataclass
@@ -36,7 +53,7 @@ class RestartableService:
     _sock: Any = None
 
     def start(self) -> None:
-        self._app = self.open_app()
+        self._app = opened(self.open_app)
         self._sock = listening_socket("127.0.0.1", self.port)
         self.port = self._sock.getsockname()[1]
         self.url = base_url(self._sock)
@@ -71,22 +88,24 @@ class Writers:
     count: int = 2
     rounds: int = 8
     midway: threading.Event | None = None  # set: the second half of the rounds may start
+    prefix: str = ""  # of the runners' and sandboxes' ids
     errors: list[BaseException] = field(default_factory=list)
     _threads: list[threading.Thread] = field(default_factory=list)
 
     def start(self) -> None:
         for writer in range(self.count):
-            thread = threading.Thread(target=self._write, args=(writer,), daemon=True)
+            app = opened(self.open_app)
+            thread = threading.Thread(target=self._write, args=(writer, app), daemon=True)
             self._threads.append(thread)
             thread.start()
 
-    def _write(self, writer: int) -> None:
-        app = self.open_app()
+    def _write(self, writer: int, app: SchedulerApplication) -> None:
         try:
             for round_ in range(self.rounds):
                 if round_ == self.rounds // 2 and self.midway is not None:
                     assert self.midway.wait(timeout=120), "never told to go on"
-                runner, sandbox = f"r-{writer}-{round_}", f"s-{writer}-{round_}"
+                runner = f"{self.prefix}r-{writer}-{round_}"
+                sandbox = f"{self.prefix}s-{writer}-{round_}"
                 register(app, runner, at=self.clock(), pool_name=f"pool-{writer}")
                 create_sandbox(app, sandbox, pool_name=f"pool-{writer}")
                 assignment, _ = app.schedule(
