@@ -10,16 +10,20 @@ served bounded.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from typer.testing import CliRunner, Result
 
 from secondbox_scheduler.domain.reconcile import ACTION_UNCERTAIN, ReconcileDecision
 from secondbox_scheduler.infrastructure import SchedulerApplication
+from secondbox_scheduler.infrastructure.cli import cli
 from secondbox_scheduler.infrastructure.feed import lists, reading
 from tests.conftest import Clock, Store
 from tests.factories import create_sandbox, register, requirements, schedule_request
@@ -191,3 +195,59 @@ def test_a_huge_limit_is_served_bounded(
         page = client.get("/v1/runners", params={"limit": 10**40}).json()
         assert [runner["id"] for runner in page["runners"]] == ["r0", "r1"]
         assert _every(client, "/v1/runners", limit=10**40) == [f"r{i}" for i in range(5)]
+
+
+def _cli(*args: str) -> Result:
+    return CliRunner().invoke(cli, list(args))
+
+
+def test_the_command_line_pages_the_lists_and_prints_the_feed(tmp_path: Path, clock: Clock) -> None:
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    app = SchedulerApplication(env={"SECONDBOX_DATABASE_URL": url}, now=clock)
+    try:
+        for index in range(3):
+            register(app, f"r{index}", at=clock(), pool_name="pool-b" if index else "pool-a")
+        create_sandbox(app, "s1")
+        assignment, _ = app.schedule(schedule_request("s1", clock()))
+        _uncertain(app, clock, "s1", assignment.fencing_token)
+        app.start_drain("r2")
+    finally:
+        app.close()
+    db = ("--database-url", url)
+    found, cursor = [], None
+    while True:
+        more = ("--cursor", cursor) if cursor else ()
+        result = _cli("list", "runners", *db, "--pool", "pool-b", "--limit", "1", "--json", *more)
+        assert result.exit_code == 0, result.output
+        page = json.loads(result.stdout)
+        found += [item["id"] for item in page["items"]]
+        cursor = page["next"]
+        if cursor is None:
+            break
+    assert found == ["r1", "r2"]
+    draining = json.loads(
+        _cli("list", "runners", *db, "--drain-phase", "draining", "--json").stdout
+    )
+    assert [item["id"] for item in draining["items"]] == ["r2"]
+    uncertain = json.loads(
+        _cli("list", "assignments", *db, "--state", "uncertain", "--json").stdout
+    )
+    assert [(a["sandbox_id"], a["state"]) for a in uncertain["items"]] == [("s1", "uncertain")]
+    sandboxes = json.loads(_cli("list", "sandboxes", *db, "--json").stdout)
+    assert [(s["sandbox_id"], s["state"]) for s in sandboxes["items"]] == [("s1", "uncertain")]
+    table = _cli("list", "runners", *db, "--limit", "2")
+    assert table.exit_code == 0
+    assert "next page: --cursor " in table.stdout
+    bad = _cli("list", "runners", *db, "--cursor", "nonsense")
+    assert bad.exit_code == 2
+    assert "cursor" in bad.output
+    feed = _cli("events", *db, "--type", "Sandbox.AssignmentFenced", "--json")
+    assert feed.exit_code == 0, feed.output
+    [fenced] = [json.loads(line) for line in feed.stdout.splitlines()]
+    assert fenced["sandbox_id"] == "s1"
+    assert fenced["actor"]["kind"] == "library"
+    every = _cli("events", *db, "--json")
+    positions = [json.loads(line)["position"] for line in every.stdout.splitlines()]
+    assert positions == sorted(positions)
+    assert len(positions) == len(set(positions))
+    assert _cli("events", *db, "--type", "Nope.Never").exit_code == 2
