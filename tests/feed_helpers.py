@@ -118,6 +118,10 @@ class Writers:
         finally:
             app.close()
 
+    def start_and_join(self) -> None:
+        self.start()
+        self.join()
+
     def join(self) -> None:
         for thread in self._threads:
             thread.join(timeout=120)
