@@ -44,6 +44,7 @@ looked up again.
 from __future__ import annotations
 
 import contextvars
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -163,6 +164,11 @@ class CellRouter:
         self._closed = False
 
     # -- the cells' applications -------------------------------------------------------
+
+    def setting(self, name: str) -> str | None:
+        """A setting every cell's application gets (the router's ``env``, else the
+        process environment), e.g. ``SECONDBOX_READY_MAX_LAG``."""
+        return self._env.get(name) or os.environ.get(name)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -592,6 +598,19 @@ class CellRouter:
             yield
         except UNAVAILABLE as error:
             raise self._unavailable(cell, error) from None
+
+
+class LazyApplication:
+    """Stands for one cell's application, built when first used (its attributes are the
+    application's, looked up at each use): what needs an application before its cell may
+    answer (the access tokens of a service over cells) holds this."""
+
+    def __init__(self, router: CellRouter, cell: str) -> None:
+        self._router = router
+        self._cell = cell
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._router.application(self._cell), name)
 
 
 def _saving(claim: CellClaim) -> Callable[[SchedulerApplication], object]:
