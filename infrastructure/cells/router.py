@@ -285,6 +285,11 @@ class CellRouter:
                 self._cache.move_to_end((kind, subject_id))
             return cell
 
+    def remember(self, kind: str, subject_id: str, cell: str) -> None:
+        """Cache that ``cell`` holds ``subject_id`` (what a lookup or a creation learnt;
+        a replica warming its cache)."""
+        self._remember(kind, subject_id, cell)
+
     def _remember(self, kind: str, subject_id: str, cell: str) -> None:
         with self._cache_lock:
             self._cache[(kind, subject_id)] = cell
