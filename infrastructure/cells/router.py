@@ -1,9 +1,10 @@
 """The cell router: each command to the cell that owns it, reads across every cell.
 
-A :class:`CellRouter` holds one :class:`SchedulerApplication` per cell of a cells file
-(:mod:`.config`), built when a command first needs that cell, and built again on a
-later command when building it failed (the cell was down, or not created yet): a
-router started before one of its cells answers serves that cell once it does.
+A :class:`CellRouter` (a :class:`~.cell_set.CellSet`) holds one
+:class:`SchedulerApplication` per cell of a cells file (:mod:`.config`), built when a
+command first needs that cell, and built again on a later command when building it
+failed (the cell was down, or not created yet): a router started before one of its
+cells answers serves that cell once it does.
 
 Routing:
 
@@ -43,20 +44,14 @@ looked up again.
 
 from __future__ import annotations
 
-import contextvars
-import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
-import psycopg
-from eventsourcing.persistence import IntegrityError, InterfaceError, OperationalError
+from eventsourcing.persistence import IntegrityError
 
 from secondbox_scheduler.domain.cell_claims import KIND_RUNNER, KIND_SANDBOX, CellClaim
 from secondbox_scheduler.domain.command_inputs import as_requirements
@@ -80,53 +75,24 @@ from secondbox_scheduler.domain.values import (
     ScheduleRequest,
     require_text,
 )
-from secondbox_scheduler.infrastructure.application import SchedulerApplication, system_now
-from secondbox_scheduler.infrastructure.cells.config import Cell, CellsConfig
-from secondbox_scheduler.infrastructure.cells.directory import directory_cell
-from secondbox_scheduler.infrastructure.settings import DATABASE_URL
-from secondbox_scheduler.infrastructure.store.cell_unavailable import CellUnavailableError
-from secondbox_scheduler.infrastructure.store.startup import (
-    DEFAULT_CONNECT_TIMEOUT_SECONDS,
-    StoreUnavailableError,
+from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.cells.cell_set import (
+    UNAVAILABLE,
+    AcrossCells,
+    ApplicationFactory,
+    CellRow,
+    CellSet,
+    LazyApplication,
 )
+from secondbox_scheduler.infrastructure.cells.config import CellsConfig
+from secondbox_scheduler.infrastructure.cells.directory import directory_cell
+from secondbox_scheduler.infrastructure.store.cell_unavailable import CellUnavailableError
 
 T = TypeVar("T")
-CELL_THREADS = 64  # a cell's commands at once (the batcher batches what arrives together)
 CACHE_SIZE = 262_144  # ids whose cell a router remembers (the least recently used go)
-# What a cell's store failing looks like from under a command.
-UNAVAILABLE: tuple[type[BaseException], ...] = (
-    StoreUnavailableError,
-    OperationalError,
-    InterfaceError,
-    psycopg.OperationalError,
-    psycopg.InterfaceError,
-)
-
-ApplicationFactory = Callable[[Cell], SchedulerApplication]
 
 
-@dataclass(frozen=True)
-class CellRow(Generic[T]):
-    """One row of a read over every cell, naming its cell."""
-
-    cell: str
-    value: T
-
-
-@dataclass(frozen=True)
-class AcrossCells(Generic[T]):
-    """A read over every cell: the rows of the cells that answered, in the cells file's
-    order, and the error of each cell that did not."""
-
-    rows: tuple[CellRow[T], ...]
-    unavailable: Mapping[str, CellUnavailableError]
-
-    @property
-    def values(self) -> list[T]:
-        return [row.value for row in self.rows]
-
-
-class CellRouter:
+class CellRouter(CellSet):
     """Sends each command of :class:`SchedulerApplication` to its cell (module doc)."""
 
     def __init__(
@@ -140,132 +106,11 @@ class CellRouter:
     ) -> None:
         """``env``: settings every cell's application gets (its ``SECONDBOX_DATABASE_URL``
         is the cell's); ``application_factory``: how to build a cell's application
-        (tests, embedders)."""
-        self.config = config
-        self._env = dict(env or {})
-        self._now = now or system_now
-        self._factory = application_factory or self._application_of
-        self._apps: dict[str, SchedulerApplication] = {}
-        self._locks = {name: threading.Lock() for name in config.names}
-        self._suspect: set[str] = set()  # cells whose last call failed: probed first
+        (tests, embedders); ``cache_size``: ids whose cell it remembers."""
+        super().__init__(config, env=env, now=now, application_factory=application_factory)
         self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._cache_size = cache_size
         self._cache_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(
-            max_workers=max(1, len(config.cells)), thread_name_prefix="cells"
-        )
-        self._executors = {
-            name: ThreadPoolExecutor(max_workers=CELL_THREADS, thread_name_prefix=f"cell-{name}")
-            for name in config.names
-        }
-        self._deadline = float(
-            self._env.get("POSTGRES_CONNECT_TIMEOUT") or DEFAULT_CONNECT_TIMEOUT_SECONDS
-        )
-        self._closed = False
-
-    # -- the cells' applications -------------------------------------------------------
-
-    def setting(self, name: str) -> str | None:
-        """A setting every cell's application gets (the router's ``env``, else the
-        process environment), e.g. ``SECONDBOX_READY_MAX_LAG``."""
-        return self._env.get(name) or os.environ.get(name)
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return self.config.names
-
-    def _application_of(self, cell: Cell) -> SchedulerApplication:
-        return SchedulerApplication(
-            env={**self._env, DATABASE_URL: cell.database_url}, now=self._now
-        )
-
-    def application(self, cell: str) -> SchedulerApplication:
-        """The application of ``cell``, built now if it is not yet (or if building it
-        failed before); CellUnavailableError when its store cannot be reached."""
-        app = self._apps.get(cell)
-        if app is not None and cell not in self._suspect:
-            return app
-        spec = self.config.cell(cell)
-        with self._locks[cell]:
-            app = self._apps.get(cell)
-            if app is None:
-                if self._closed:
-                    raise CellUnavailableError(cell, "the router is closed")
-                try:
-                    app = self._factory(spec)
-                except UNAVAILABLE as error:
-                    raise self._unavailable(cell, error) from None
-                self._apps[cell] = app
-                self._suspect.discard(cell)
-            elif cell in self._suspect:
-                try:
-                    app.probe_store()
-                except UNAVAILABLE as error:
-                    raise self._unavailable(cell, error) from None
-                self._suspect.discard(cell)
-        return app
-
-    def applications(self) -> dict[str, SchedulerApplication]:
-        """The applications built so far, by cell."""
-        return dict(self._apps)
-
-    def _unavailable(self, cell: str, error: BaseException) -> CellUnavailableError:
-        self._suspect.add(cell)
-        detail = f"{type(error).__name__}: {error}".strip()
-        return CellUnavailableError(cell, detail)
-
-    def call(self, cell: str, operation: Callable[[SchedulerApplication], T]) -> T:
-        """``operation`` on ``cell``'s application; its store failing is a
-        CellUnavailableError naming the cell. The operation runs on a thread of the
-        cell's own (with the caller's context: its actor); past the deadline (the
-        connect timeout) the cell is probed, and a probe that fails answers
-        CellUnavailableError at once, while the operation ends on its own (an
-        interrupted command: retrying it gets the serial answer, as after any lost
-        answer)."""
-        app = self.application(cell)
-        context = contextvars.copy_context()
-        future = self._executors[cell].submit(context.run, operation, app)
-        try:
-            try:
-                return future.result(timeout=self._deadline)
-            except FutureTimeout:
-                app.probe_store()  # the cell answers: the operation is only slow
-                return future.result()
-        except UNAVAILABLE as error:
-            raise self._unavailable(cell, error) from None
-
-    def across(
-        self, operation: Callable[[SchedulerApplication], T], cells: Iterable[str] | None = None
-    ) -> AcrossCells[T]:
-        """``operation`` on every cell (or on ``cells``) at once: the answers, and the
-        error of each cell that was unavailable (any other error is raised)."""
-        names = list(self.names if cells is None else cells)
-        futures = {name: self._pool.submit(self.call, name, operation) for name in names}
-        rows: list[CellRow[T]] = []
-        unavailable: dict[str, CellUnavailableError] = {}
-        for name in names:
-            try:
-                rows.append(CellRow(name, futures[name].result()))
-            except CellUnavailableError as error:
-                unavailable[name] = error
-        return AcrossCells(tuple(rows), unavailable)
-
-    def close(self) -> None:
-        self._closed = True
-        self._pool.shutdown(wait=True)
-        for executor in self._executors.values():
-            executor.shutdown(wait=True)
-        for name in list(self._apps):
-            with self._locks[name]:
-                app = self._apps.pop(name, None)
-            if app is not None:
-                app.close()
-
-    def __enter__(self) -> CellRouter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- which cell --------------------------------------------------------------------
 
@@ -605,19 +450,6 @@ class CellRouter:
             raise self._unavailable(cell, error) from None
 
 
-class LazyApplication:
-    """Stands for one cell's application, built when first used (its attributes are the
-    application's, looked up at each use): what needs an application before its cell may
-    answer (the access tokens of a service over cells) holds this."""
-
-    def __init__(self, router: CellRouter, cell: str) -> None:
-        self._router = router
-        self._cell = cell
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._router.application(self._cell), name)
-
-
 def _saving(claim: CellClaim) -> Callable[[SchedulerApplication], object]:
     return lambda app: app.save(claim)
 
@@ -633,4 +465,4 @@ def exists_in(app: SchedulerApplication, kind: str, subject_id: str) -> bool:
     return app.load(stream, aggregate) is not None
 
 
-__all__ = ["AcrossCells", "CellRouter", "CellRow"]
+__all__ = ["AcrossCells", "CellRouter", "CellRow", "LazyApplication"]
