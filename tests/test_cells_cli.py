@@ -12,14 +12,18 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
+import typer
+from typer.core import TyperGroup
 from typer.testing import CliRunner
 
 from secondbox_scheduler.infrastructure.cells.config import CELLS, parse_cells
 from secondbox_scheduler.infrastructure.cells.router import CellRouter
 from secondbox_scheduler.infrastructure.cli import cli
+from secondbox_scheduler.infrastructure.cli.cells import add_cells_option
 from tests.conftest import Clock
 from tests.factories import HEARTBEAT_TIMEOUT, register, requirements, schedule_request
 from tests.postgres_server import PostgresServer
@@ -103,10 +107,34 @@ def test_runners_and_assignments_over_cells_name_each_rows_cell(cells_file: Path
 
 
 def test_a_command_on_one_store_refuses_a_cells_file(cells_file: Path) -> None:
-    for args in (["--cells", str(cells_file), "simulate"], ["audit", "state"]):
-        code, out = run(*args, env={CELLS: str(cells_file)})
-        assert code == 2, out
-        assert "acts on one store" in out
+    for args, env in (
+        (["--cells", str(cells_file), "simulate"], None),
+        (["simulate", "--cells", str(cells_file)], None),
+        (["projections", "status", "--cells", str(cells_file)], None),
+        (["audit", "state"], {CELLS: str(cells_file)}),
+        (["tokens", "list"], {CELLS: str(cells_file)}),
+    ):
+        code, out = run(*args, env=env)
+        assert code == 2, (args, out)
+        assert "acts on one store" in " ".join(out.split()), (args, out)
+
+
+def test_every_command_takes_cells() -> None:
+    root = typer.main.get_command(cli)
+    assert isinstance(root, TyperGroup)
+    add_cells_option(root)
+
+    def leaves(group: TyperGroup, path: str) -> Iterator[tuple[str, Any]]:
+        for name, command in group.commands.items():
+            if isinstance(command, TyperGroup):
+                yield from leaves(command, f"{path} {name}")
+            else:
+                yield f"{path} {name}".strip(), command
+
+    found = dict(leaves(root, ""))
+    assert {"simulate", "runners", "serve", "audit verify", "tokens list"} <= set(found)
+    for path, command in found.items():
+        assert any("--cells" in getattr(p, "opts", ()) for p in command.params), path
 
 
 def test_the_federation_checkpoint_is_accepted_and_a_cell_rolled_back_refused(

@@ -37,7 +37,7 @@ from secondbox_scheduler.infrastructure.cli import (
     simulate,
     tokens,
 )
-from secondbox_scheduler.infrastructure.cli.cells import CELL_COMMANDS, CellsFile
+from secondbox_scheduler.infrastructure.cli.cells import CELL_COMMANDS, CellsFile, CellsGroup
 from secondbox_scheduler.infrastructure.cli.common import say_error, shown
 from secondbox_scheduler.infrastructure.exit_codes import (
     EXIT_INTERNAL,
@@ -69,6 +69,7 @@ cli = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode="rich",
     pretty_exceptions_enable=False,
+    cls=CellsGroup,
 )
 
 

@@ -10,11 +10,13 @@ one store, so with a cells file they are refused (exit 2) naming what to pass in
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import copy
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from typer.core import TyperGroup
 
 from secondbox_scheduler.infrastructure.cells.config import CELLS, CellsConfig, load_cells
 from secondbox_scheduler.infrastructure.cells.router import CellRouter
@@ -60,3 +62,56 @@ def refuse_cells(command: str, cells: Path | None) -> None:
             f"({cells}; unset {CELLS})",
             EXIT_USAGE,
         )
+
+
+def _refusing(path: str) -> Any:
+    def refuse(context: Any, parameter: Any, value: object) -> None:
+        if value is not None:
+            raise typer.BadParameter(
+                f"{path} acts on one store: give --database-url of one cell, not a cells "
+                f"file ({value}; unset {CELLS})",
+                context,
+                parameter,
+            )
+
+    return refuse
+
+
+def add_cells_option(group: TyperGroup) -> None:
+    """Give every command of ``group`` (and of its groups) a ``--cells`` option: the
+    cell-aware ones have theirs; on the others it refuses a cells file (exit 2) naming
+    the command, rather than being an unknown option or, from the environment, ignored.
+    The option is a copy of a cell-aware command's own (so it reads ``SECONDBOX_CELLS``
+    alike), that passes nothing to the command."""
+    template = next(_cells_options(group), None)
+    if template is not None:
+        _add_refusals(group, template, "")
+
+
+def _cells_options(group: TyperGroup) -> Iterator[Any]:
+    for command in group.commands.values():
+        if isinstance(command, TyperGroup):
+            yield from _cells_options(command)
+        else:
+            yield from (p for p in command.params if "--cells" in getattr(p, "opts", ()))
+
+
+def _add_refusals(group: TyperGroup, template: Any, path: str) -> None:
+    for name, command in group.commands.items():
+        full = f"{path} {name}".strip()
+        if isinstance(command, TyperGroup):
+            _add_refusals(command, template, full)
+        elif not any("--cells" in getattr(p, "opts", ()) for p in command.params):
+            refusal = copy.copy(template)
+            refusal.callback = _refusing(full)
+            refusal.expose_value = False
+            refusal.help = "Refused: this command acts on one store (--database-url)."
+            command.params.append(refusal)
+
+
+class CellsGroup(TyperGroup):
+    """The root group: before it runs, every command has its ``--cells`` option."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        add_cells_option(self)
+        return super().main(*args, **kwargs)
