@@ -17,13 +17,14 @@ from typing import Any
 import psycopg
 import pytest
 
-from secondbox_scheduler.domain.cell_claims import KIND_SANDBOX
+from secondbox_scheduler.domain.cell_claims import KIND_RUNNER, KIND_SANDBOX, CellClaim
 from secondbox_scheduler.domain.errors import (
     AlreadyExistsError,
     InvalidRequestError,
     RunnerNotFoundError,
     SandboxNotFoundError,
 )
+from secondbox_scheduler.domain.ids import cell_claim_uuid
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.cells.config import Cell, CellsConfig
 from secondbox_scheduler.infrastructure.cells.router import CellRouter
@@ -317,3 +318,38 @@ def test_a_runner_moves_to_another_cell_once_deregistered_in_its_own(
     register_in(router, "stayer", POOL_A, clock)
     with CellRouter(moved, now=clock) as later, pytest.raises(AlreadyExistsError, match="'a'"):
         register_in(later, "stayer", POOL_A, clock)
+
+
+def test_a_bad_creation_is_refused_before_its_claim_is_written(
+    routers: Callable[[], CellRouter], clock: Clock
+) -> None:
+    """Bad input names the field and writes nothing: not even the id's claim, which
+    would bind the id to a cell for a creation that never was."""
+    router = routers()
+    with pytest.raises(InvalidRequestError) as caught:
+        router.register_runner(
+            runner_id="r-bad",
+            pool_name=POOL_A,
+            backend_kind="firecracker",
+            architecture="",
+            capabilities={},
+            allocatable={"vcpu_count": 1},
+            guest_protocol_minimum=1,
+            guest_protocol_maximum=3,
+        )
+    assert caught.value.field == "architecture"
+    with pytest.raises(InvalidRequestError) as caught:
+        router.create_sandbox(
+            sandbox_id="s-bad",
+            workspace_id="",
+            profile_revision_id="profile-1",
+            requirements=requirements(pool_name=POOL_A),
+            heartbeat_timeout=HEARTBEAT_TIMEOUT,
+        )
+    assert caught.value.field == "workspace_id"
+    for kind, subject in ((KIND_RUNNER, "r-bad"), (KIND_SANDBOX, "s-bad")):
+        directory = router.application(router.directory_of(kind, subject))
+        assert directory.load(cell_claim_uuid(kind, subject), CellClaim) is None
+    # so the ids are free for a good creation in the other cell
+    register_in(router, "r-bad", POOL_B, clock)
+    assert create_in(router, "s-bad", POOL_B) == "r-bad"

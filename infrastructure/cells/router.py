@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
@@ -54,7 +54,7 @@ from typing import Any, TypeVar
 from eventsourcing.persistence import IntegrityError
 
 from secondbox_scheduler.domain.cell_claims import KIND_RUNNER, KIND_SANDBOX, CellClaim
-from secondbox_scheduler.domain.command_inputs import as_requirements
+from secondbox_scheduler.domain.command_inputs import as_requirements, require_timeout
 from secondbox_scheduler.domain.errors import (
     AlreadyExistsError,
     InvalidRequestError,
@@ -86,6 +86,7 @@ from secondbox_scheduler.infrastructure.cells.cell_set import (
 )
 from secondbox_scheduler.infrastructure.cells.config import CellsConfig
 from secondbox_scheduler.infrastructure.cells.directory import directory_cell
+from secondbox_scheduler.infrastructure.registration import checked_registration
 from secondbox_scheduler.infrastructure.store.cell_unavailable import CellUnavailableError
 
 T = TypeVar("T")
@@ -260,16 +261,44 @@ class CellRouter(CellSet):
 
     # -- the application's commands ----------------------------------------------------
 
-    def register_runner(self, *, runner_id: str, pool_name: str, **registration: Any) -> bool:
-        """:meth:`SchedulerApplication.register_runner` in the cell of ``pool_name``."""
-        require_text("runner_id", runner_id)
-        require_text("pool_name", pool_name)
+    def register_runner(
+        self,
+        *,
+        runner_id: str,
+        pool_name: str,
+        backend_kind: str,
+        architecture: str,
+        capabilities: Iterable[str] | Mapping[str, bool],
+        allocatable: Capacity | Mapping[str, int],
+        guest_protocol_minimum: int,
+        guest_protocol_maximum: int,
+        supported_egress_contexts: Iterable[str] = (),
+    ) -> bool:
+        """:meth:`SchedulerApplication.register_runner` in the cell of ``pool_name``; the
+        registration is checked before the id's claim is written (bad input writes
+        nothing anywhere)."""
+        if isinstance(capabilities, Iterator):  # read twice: here and by the cell
+            capabilities = list(capabilities)
+        if isinstance(supported_egress_contexts, Iterator):
+            supported_egress_contexts = list(supported_egress_contexts)
+        checked_registration(
+            runner_id, pool_name, backend_kind, architecture, capabilities, allocatable,
+            guest_protocol_minimum, guest_protocol_maximum, supported_egress_contexts,
+        )  # fmt: skip
         cell = self.cell_of_pool(pool_name)
         self._claim_for(KIND_RUNNER, runner_id, cell)
         return self.call(
             cell,
             lambda app: app.register_runner(
-                runner_id=runner_id, pool_name=pool_name, **registration
+                runner_id=runner_id,
+                pool_name=pool_name,
+                backend_kind=backend_kind,
+                architecture=architecture,
+                capabilities=capabilities,
+                allocatable=allocatable,
+                guest_protocol_minimum=guest_protocol_minimum,
+                guest_protocol_maximum=guest_protocol_maximum,
+                supported_egress_contexts=supported_egress_contexts,
             ),
         )
 
@@ -314,8 +343,11 @@ class CellRouter(CellSet):
     ) -> str:
         """:meth:`SchedulerApplication.create_sandbox` in the cell of the requirements'
         pool."""
-        require_text("sandbox_id", sandbox_id)
+        require_text("sandbox_id", sandbox_id)  # checked as the cell would, before the claim
+        require_text("workspace_id", workspace_id)
+        require_text("profile_revision_id", profile_revision_id)
         wanted = as_requirements(requirements)
+        require_timeout(heartbeat_timeout)
         cell = self.cell_of_pool(wanted.pool_name, "requirements.pool_name")
         self._claim_for(KIND_SANDBOX, sandbox_id, cell)
         return self.call(
