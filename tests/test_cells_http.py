@@ -23,7 +23,7 @@ from secondbox_scheduler.infrastructure.cells.config import Cell, CellsConfig
 from secondbox_scheduler.infrastructure.cells.router import CellRouter
 from secondbox_scheduler.infrastructure.http import create_app
 from tests.conftest import Clock
-from tests.factories import register, requirements
+from tests.factories import register, requirements, schedule_request
 from tests.postgres_server import PostgresServer, ThrowawayCluster
 
 POOL_A, POOL_B = "pool-a", "pool-b"
@@ -75,8 +75,8 @@ def runner_body(runner_id: str, pool: str) -> dict[str, Any]:
 def sandbox_body(sandbox_id: str, pool: str) -> dict[str, Any]:
     return {
         "sandbox_id": sandbox_id,
-        "workspace_id": "w",
-        "profile_revision_id": "p",
+        "workspace_id": f"workspace-{sandbox_id}",
+        "profile_revision_id": "profile-1",
         "requirements": requirements(pool_name=pool).model_dump(mode="json"),
         "heartbeat_timeout_seconds": 60,
     }
@@ -134,5 +134,13 @@ def test_a_stopped_cell_answers_503_naming_it_while_the_other_cell_places(
         assert 'secondbox_scheduler_cell_up{cell="b"} 0.0' in client.get("/metrics").text
     finally:
         cluster_b.start()
+    router.schedule(
+        schedule_request(new_in_a, clock(), requirements=requirements(pool_name=POOL_A))
+    )
     assigned = client.get(f"/v1/sandboxes/{new_in_a}/assignments")
     assert assigned.headers["Secondbox-Cell"] == "a"
+    assert [(row["cell"], row["runner_id"]) for row in assigned.json()["assignments"]] == [
+        ("a", "ra")
+    ]
+    held = client.get("/v1/runners/rb/assignments")
+    assert held.headers["Secondbox-Cell"] == "b"

@@ -1,7 +1,8 @@
 """What the service answers differently when it serves a cell router (docs/api.md,
 "Cells"): the runner list over every cell, each row naming its ``cell`` and the cells
 that did not answer in ``unavailable_cells``; the ``Secondbox-Cell`` header on a
-sandbox's or runner's assignment list; readiness per cell; ``/metrics`` of every cell,
+sandbox's or runner's assignment list, whose rows name their ``cell`` too; readiness
+per cell; ``/metrics`` of every cell,
 each series labelled with its ``cell``.
 """
 
@@ -17,8 +18,11 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from starlette.responses import Response
 
+from secondbox_scheduler.domain.values import DurableAssignment
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.cells.router import CellRouter
+from secondbox_scheduler.infrastructure.http.common import respond
+from secondbox_scheduler.infrastructure.http.models import AssignmentList, AssignmentOut
 from secondbox_scheduler.infrastructure.metrics import NAMESPACE
 from secondbox_scheduler.infrastructure.prometheus_export import PrometheusMetrics
 
@@ -40,17 +44,25 @@ def runner_list_over_cells(router: CellRouter, pool_name: str | None) -> Respons
     return Response(json.dumps(body), media_type="application/json")
 
 
-def cell_of_sandbox(app: SchedulerApplication | CellRouter, sandbox_id: str) -> dict[str, str]:
-    """The ``Secondbox-Cell`` header of an answer about ``sandbox_id`` (none: one store)."""
-    if isinstance(app, CellRouter) and not app.single:
-        return {CELL_HEADER: app.cell_of_sandbox(sandbox_id)}
-    return {}
-
-
-def cell_of_runner(app: SchedulerApplication | CellRouter, runner_id: str) -> dict[str, str]:
-    if isinstance(app, CellRouter) and not app.single:
-        return {CELL_HEADER: app.cell_of_runner(runner_id)}
-    return {}
+def assignment_list(
+    app: SchedulerApplication | CellRouter,
+    found: list[DurableAssignment],
+    *,
+    sandbox_id: str | None = None,
+    runner_id: str | None = None,
+) -> Response:
+    """An assignment list; over cells each row also names its ``cell`` (that of the
+    sandbox or runner asked about), and so does the ``Secondbox-Cell`` header."""
+    listed = AssignmentList(assignments=[AssignmentOut.of(a) for a in found])
+    if not isinstance(app, CellRouter) or app.single:
+        return respond(listed)
+    cell = app.cell_of_sandbox(sandbox_id) if sandbox_id is not None else None
+    if cell is None:
+        assert runner_id is not None
+        cell = app.cell_of_runner(runner_id)
+    rows = listed.model_dump(mode="json")["assignments"]
+    body = {"assignments": [{"cell": cell, **row} for row in rows]}
+    return Response(json.dumps(body), media_type="application/json", headers={CELL_HEADER: cell})
 
 
 def cells_readiness(router: CellRouter) -> dict[str, str]:

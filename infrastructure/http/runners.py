@@ -13,7 +13,7 @@ from starlette.responses import Response
 from secondbox_scheduler.domain.values import Capacity, RunnerSnapshot
 from secondbox_scheduler.infrastructure.audit.queries import timeline
 from secondbox_scheduler.infrastructure.cells.router import CellRouter
-from secondbox_scheduler.infrastructure.http.cells import cell_of_runner, runner_list_over_cells
+from secondbox_scheduler.infrastructure.http.cells import assignment_list, runner_list_over_cells
 from secondbox_scheduler.infrastructure.http.common import (
     PoolQuery,
     RunnerId,
@@ -24,7 +24,6 @@ from secondbox_scheduler.infrastructure.http.common import (
 from secondbox_scheduler.infrastructure.http.errors import ERROR_RESPONSES
 from secondbox_scheduler.infrastructure.http.models import (
     AssignmentList,
-    AssignmentOut,
     Deregistered,
     Heartbeat,
     HeartbeatOutcome,
@@ -126,11 +125,7 @@ def change_allocatable(runner_id: RunnerId, body: Capacity, app: Scheduler) -> R
 )
 def runner_assignments(runner_id: RunnerId, app: Scheduler) -> Response:
     """The assignments that hold a reservation on the runner."""
-    found = app.runner_assignments(runner_id)
-    return respond(
-        AssignmentList(assignments=[AssignmentOut.of(a) for a in found]),
-        headers=cell_of_runner(app, runner_id),
-    )
+    return assignment_list(app, app.runner_assignments(runner_id), runner_id=runner_id)
 
 
 @router.get("/{runner_id}/timeline", response_model=Timeline, summary="Runner's history")

@@ -18,7 +18,7 @@ from starlette.responses import Response
 from secondbox_scheduler.domain.errors import AssignmentNotFoundError, SandboxNotFoundError
 from secondbox_scheduler.domain.reconcile import ReconcileDecision
 from secondbox_scheduler.infrastructure.audit.queries import explain, timeline
-from secondbox_scheduler.infrastructure.http.cells import cell_of_sandbox
+from secondbox_scheduler.infrastructure.http.cells import assignment_list
 from secondbox_scheduler.infrastructure.http.common import (
     GenerationPath,
     GenerationQuery,
@@ -132,11 +132,7 @@ def get_assignment(
 @router.get("/{sandbox_id}/assignments", response_model=AssignmentList, summary="Every assignment")
 def list_assignments(sandbox_id: SandboxId, app: Scheduler) -> Response:
     """Every generation's assignment, oldest first."""
-    found = app.assignments(sandbox_id)
-    return respond(
-        AssignmentList(assignments=[AssignmentOut.of(a) for a in found]),
-        headers=cell_of_sandbox(app, sandbox_id),
-    )
+    return assignment_list(app, app.assignments(sandbox_id), sandbox_id=sandbox_id)
 
 
 @router.post(f"{GENERATION}/running", response_model=AssignmentOut, summary="Report running")
