@@ -20,12 +20,22 @@ import typer
 from typer.core import TyperGroup
 from typer.testing import CliRunner
 
+from secondbox_scheduler.domain.cell_claims import KIND_SANDBOX
+from secondbox_scheduler.domain.errors import AlreadyExistsError
+from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.cells.config import CELLS, parse_cells
 from secondbox_scheduler.infrastructure.cells.router import CellRouter
 from secondbox_scheduler.infrastructure.cli import cli
 from secondbox_scheduler.infrastructure.cli.cells import add_cells_option
+from secondbox_scheduler.infrastructure.settings import DATABASE_URL
 from tests.conftest import Clock
-from tests.factories import HEARTBEAT_TIMEOUT, register, requirements, schedule_request
+from tests.factories import (
+    HEARTBEAT_TIMEOUT,
+    create_sandbox,
+    register,
+    requirements,
+    schedule_request,
+)
 from tests.postgres_server import PostgresServer
 
 POOL_A, POOL_B = "pool-a", "pool-b"
@@ -219,3 +229,30 @@ def test_a_restored_dump_verifies_against_a_checkpoint_taken_before_it_but_not_a
     assert "violation cell a" in out
     assert "chain-truncated" in out
     assert "cell b: OK" in out
+
+
+def test_cells_claim_claims_the_ids_written_before_the_cells_file(
+    postgres_server: PostgresServer, databases: list[str], tmp_path: Path, clock: Clock
+) -> None:
+    """One store that served alone becomes cell a: its ids have no claims until `cells
+    claim` writes them; then cell b may not create them."""
+    urls = {name: _url(postgres_server, _database(postgres_server, databases)) for name in "ab"}
+    alone = SchedulerApplication(env={DATABASE_URL: urls["a"]}, now=clock)
+    try:
+        register(alone, "old-runner", at=clock(), pool_name=POOL_A)
+        create_sandbox(alone, "old-sandbox", pool_name=POOL_A)
+    finally:
+        alone.close()
+    path = tmp_path / "cells.toml"
+    path.write_text(cells_text(urls))
+    config = parse_cells(path.read_text())
+    with CellRouter(config, now=clock) as router:
+        assert router.claim_of(KIND_SANDBOX, "old-sandbox") is None
+        assert router.cell_of_sandbox("old-sandbox") == "a"  # found by asking every cell
+    code, out = run("cells", "claim", "--cells", str(path), "--json")
+    assert code == 0, out
+    assert json.loads(out)["a"]["claimed"] == 2
+    code, out = run("cells", "claim", "--cells", str(path), "--json")
+    assert json.loads(out)["a"] == {"claimed": 0, "already": 2, "passed_over": 0, "conflicts": []}
+    with CellRouter(config, now=clock) as router, pytest.raises(AlreadyExistsError, match="'a'"):
+        place(router, "old-sandbox", POOL_B, clock)

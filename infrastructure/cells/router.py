@@ -175,9 +175,11 @@ class CellRouter(CellSet):
         if claim is not None:
             self._remember(kind, subject_id, claim.cell)
             return claim.cell
-        # not in the directory: a history written before the cells file, or unknown
+        # not in the directory: a history written before the cells file (its directory
+        # cell may hold it too), or unknown: every cell that answers is asked
         others = [name for name in self.names if name != directory]
-        found = self.across(lambda app: exists_in(app, kind, subject_id), others)
+        searched = others if down is not None else list(self.names)
+        found = self.across(lambda app: exists_in(app, kind, subject_id), searched)
         holders = [row.cell for row in found.rows if row.value]
         if holders:
             self._remember(kind, subject_id, holders[0])
@@ -199,6 +201,17 @@ class CellRouter(CellSet):
             RunnerNotFoundError if kind == KIND_RUNNER else SandboxNotFoundError
         )
         raise missing(subject_id, detail)
+
+    def claim_of(self, kind: str, subject_id: str) -> str | None:
+        """The cell the directory names for ``subject_id`` (None: no claim)."""
+        directory = self.directory_of(kind, subject_id)
+        claim = self.call(directory, lambda app: _claim(app, kind, subject_id))
+        return None if claim is None else claim.cell
+
+    def claim(self, kind: str, subject_id: str, cell: str) -> None:
+        """Make the directory name ``cell`` for ``subject_id`` (as a creation through the
+        router does first); AlreadyExistsError when another cell holds it."""
+        self._claim_for(kind, subject_id, cell)
 
     def _claim_for(self, kind: str, subject_id: str, cell: str) -> None:
         """Make sure the directory says ``cell`` holds ``subject_id`` (creating the claim,

@@ -37,7 +37,12 @@ from secondbox_scheduler.infrastructure.cli import (
     simulate,
     tokens,
 )
-from secondbox_scheduler.infrastructure.cli.cells import CELL_COMMANDS, CellsFile, CellsGroup
+from secondbox_scheduler.infrastructure.cli.cells import (
+    CELL_COMMANDS,
+    CellsFile,
+    CellsGroup,
+    cells_cli,
+)
 from secondbox_scheduler.infrastructure.cli.common import say_error, shown
 from secondbox_scheduler.infrastructure.exit_codes import (
     EXIT_INTERNAL,
@@ -124,6 +129,7 @@ cli.add_typer(audit.audit_cli, name="audit")
 cli.add_typer(bench.bench_cli, name="bench")
 cli.add_typer(db.db_cli, name="db")
 cli.add_typer(tokens.tokens_cli, name="tokens")
+cli.add_typer(cells_cli, name="cells")
 
 
 def main() -> None:

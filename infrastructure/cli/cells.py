@@ -20,6 +20,12 @@ from typer.core import TyperGroup
 
 from secondbox_scheduler.infrastructure.cells.config import CELLS, CellsConfig, load_cells
 from secondbox_scheduler.infrastructure.cells.router import CellRouter
+from secondbox_scheduler.infrastructure.cli.common import (
+    print_json,
+    reported_errors,
+    shown,
+    stdout,
+)
 from secondbox_scheduler.infrastructure.exit_codes import EXIT_USAGE, CommandError
 from secondbox_scheduler.infrastructure.settings import READ_MODELS
 
@@ -36,7 +42,7 @@ CellsFile = Annotated[
     ),
 ]
 # The commands that work over cells (the others refuse a cells file).
-CELL_COMMANDS = frozenset({"runners", "assignments", "audit", "serve", "bench"})
+CELL_COMMANDS = frozenset({"runners", "assignments", "audit", "serve", "bench", "cells"})
 
 
 def cells_config(cells: Path | None) -> CellsConfig | None:
@@ -115,3 +121,47 @@ class CellsGroup(TyperGroup):
     def main(self, *args: Any, **kwargs: Any) -> Any:
         add_cells_option(self)
         return super().main(*args, **kwargs)
+
+
+cells_cli = typer.Typer(
+    help="Deployments of several cells (docs/operations.md, 'Cells').", no_args_is_help=True
+)
+
+
+@cells_cli.command(
+    "claim",
+    help=(
+        "Write the id claims of every runner and sandbox the cells already hold (ids "
+        "written before the cells file have none), so that no other cell can create them. "
+        "Exits 1 listing each id another cell holds too.\n\n[bold]Example[/bold]\n\n"
+        "  secondbox-scheduler cells claim --cells cells.toml"
+    ),
+)
+def cells_claim(
+    cells: Annotated[
+        Path,
+        typer.Option("--cells", envvar=CELLS, help="The cells file.", show_default=False),
+    ],
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")
+    ] = False,
+) -> None:
+    from secondbox_scheduler.infrastructure.cells.backfill import claim_existing
+
+    with reported_errors(), open_router(load_cells(cells), read_models=False) as router:
+        reports = claim_existing(router)
+    conflicts = [item for report in reports.values() for item in report.conflicts]
+    if as_json:
+        print_json({name: report.to_dict() for name, report in reports.items()})
+    else:
+        console = stdout()
+        for name, report in reports.items():
+            console.print(
+                f"cell {shown(name)}: {report.claimed:,} claimed, {report.already:,} already "
+                f"claimed, {report.passed_over:,} deregistered runners passed over, "
+                f"{len(report.conflicts):,} held by another cell"
+            )
+            for conflict in report.conflicts:
+                console.print(f"[red]conflict[/red] cell {shown(name)}: {shown(conflict)}")
+    if conflicts:
+        raise typer.Exit(1)
