@@ -144,3 +144,17 @@ def test_a_stopped_cell_answers_503_naming_it_while_the_other_cell_places(
     ]
     held = client.get("/v1/runners/rb/assignments")
     assert held.headers["Secondbox-Cell"] == "b"
+
+
+def test_metrics_count_each_cells_commands_from_the_first(router: CellRouter, clock: Clock) -> None:
+    client = TestClient(create_app(router))
+    register(router, "ra", at=clock(), pool_name=POOL_A)  # type: ignore[arg-type]
+    sandbox_id = next(
+        f"m-{n}" for n in range(100) if router.directory_of(KIND_SANDBOX, f"m-{n}") == "a"
+    )
+    assert client.post("/v1/sandboxes", json=sandbox_body(sandbox_id, POOL_A)).status_code == 201
+    router.schedule(
+        schedule_request(sandbox_id, clock(), requirements=requirements(pool_name=POOL_A))
+    )
+    scrape = client.get("/metrics").text
+    assert 'secondbox_scheduler_placements_total{cell="a"} 1.0' in scrape

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Generic, Self, TypeVar
@@ -105,6 +106,7 @@ class CellSet:
             self._env.get("POSTGRES_CONNECT_TIMEOUT") or DEFAULT_CONNECT_TIMEOUT_SECONDS
         )
         self._closed = False
+        self._hooks: list[Callable[[str, SchedulerApplication], object]] = []
 
     # -- the cells' applications -------------------------------------------------------
 
@@ -138,6 +140,8 @@ class CellSet:
                     app = self._factory(spec)
                 except UNAVAILABLE as error:
                     raise self._unavailable(cell, error) from None
+                for hook in self._hooks:
+                    hook(cell, app)
                 self._apps[cell] = app
                 self._suspect.discard(cell)
             elif cell in self._suspect:
@@ -147,6 +151,18 @@ class CellSet:
                     raise self._unavailable(cell, error) from None
                 self._suspect.discard(cell)
         return app
+
+    def when_opened(self, hook: Callable[[str, SchedulerApplication], object]) -> None:
+        """Call ``hook(cell, application)`` for every application built so far and, from
+        now on, for each one built (before any command uses it): the service exports
+        each cell's metrics from its first command. Every cell's lock is held meanwhile,
+        so no application is built between the two and none is hooked twice."""
+        with ExitStack() as held:
+            for cell in self.names:
+                held.enter_context(self._locks[cell])
+            self._hooks.append(hook)
+            for cell, app in self._apps.items():
+                hook(cell, app)
 
     def applications(self) -> dict[str, SchedulerApplication]:
         """The applications built so far, by cell."""

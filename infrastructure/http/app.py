@@ -28,7 +28,7 @@ from secondbox_scheduler.infrastructure.cells.router import CellRouter, LazyAppl
 from secondbox_scheduler.infrastructure.http.authentication import Authentication
 from secondbox_scheduler.infrastructure.http.authorization import authorize
 from secondbox_scheduler.infrastructure.http.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
-from secondbox_scheduler.infrastructure.http.cells import CellsCollector
+from secondbox_scheduler.infrastructure.http.cells import CellsCollector, export_metrics
 from secondbox_scheduler.infrastructure.http.errors import install_error_handlers, problem_openapi
 from secondbox_scheduler.infrastructure.http.request_log import RequestLog
 from secondbox_scheduler.infrastructure.http.request_metrics import (
@@ -128,6 +128,7 @@ def _create_app(
         if max_read_model_lag is None:
             max_read_model_lag = ready_max_lag(scheduler.setting(READY_MAX_LAG))
         registry.register(CellsCollector(scheduler))
+        scheduler.when_opened(export_metrics)
         token_cache = TokenCache(
             LazyApplication(scheduler, scheduler.names[0]),
             token_refresh_seconds(scheduler.setting(TOKEN_REFRESH_SECONDS)),

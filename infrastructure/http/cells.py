@@ -9,7 +9,6 @@ each series labelled with its ``cell``.
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -111,12 +110,16 @@ class CellsCollector(Collector):
         yield from merged.values()
 
 
-_attaching = threading.Lock()
+def export_metrics(cell: str, app: SchedulerApplication) -> None:
+    """Export ``app``'s metrics to a registry of its own (once), which the
+    :class:`CellsCollector` reads with the cell's label."""
+    if not isinstance(app.metrics.sink, PrometheusMetrics):
+        app.attach_metrics()
 
 
 def _families(app: SchedulerApplication) -> list[Metric]:
-    with _attaching:
-        sink: Any = app.metrics.sink
-        if not isinstance(sink, PrometheusMetrics):
-            sink = app.attach_metrics()  # a registry of the cell's own
+    sink: Any = app.metrics.sink
+    if not isinstance(sink, PrometheusMetrics):  # built before the service: now
+        export_metrics("", app)
+        sink = app.metrics.sink
     return list(sink.registry.collect())
