@@ -22,7 +22,8 @@ cells at the same moment create the same claim stream in the same store: the eve
 store's uniqueness on (stream, version) lets one win, and the other, reading the
 winner's claim, refuses its creation (``AlreadyExistsError`` naming the winner's cell).
 This holds for every pair of routers reading the same directory cells (the cells
-file's ``directory`` cells never change) and needs no talk between routers. Its cost:
+file's ``directory`` cells, changed only by the procedure of docs/operations.md) and
+needs no talk between routers. Its cost:
 creating a *new* id needs its directory cell up as well as its own cell (a cell's other
 commands need only that cell). A claim binds the id to its cell even when the creation
 is then refused (a retry in the same cell goes on). A runner's claim moves to another
@@ -61,6 +62,7 @@ from secondbox_scheduler.domain.errors import (
     NotFoundError,
     RunnerNotFoundError,
     SandboxNotFoundError,
+    SerializationContentionError,
 )
 from secondbox_scheduler.domain.ids import cell_claim_uuid, runner_uuid, sandbox_uuid
 from secondbox_scheduler.domain.reconcile import ReconcileDecision
@@ -245,7 +247,7 @@ class CellRouter(CellSet):
                 f"{kind} {subject_id!r} belongs to cell {claim.cell!r}: an id is unique "
                 f"across cells (cell {cell!r} may not create it)"
             )
-        raise AlreadyExistsError(f"{kind} {subject_id!r}: its claim kept changing; retry")
+        raise SerializationContentionError(3, f"the cell claim of {kind} {subject_id!r}")
 
     def _deregistered_in(self, cell: str, runner_id: str) -> bool:
         runner = self.call(cell, lambda app: app.load(runner_uuid(runner_id), Runner))
