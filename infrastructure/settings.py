@@ -58,7 +58,14 @@ POSTGRES_SETTINGS = (
     "POSTGRES_DBNAME",
     "POSTGRES_SCHEMA",
     "POSTGRES_CONNECT_TIMEOUT",
+    "POSTGRES_TARGET_SESSION_ATTRS",
 )
+# libpq's target_session_attrs (a multi-host URL's ``?target_session_attrs=read-write``):
+# which of the URL's hosts a connection may settle on.
+TARGET_SESSION_ATTRS = "POSTGRES_TARGET_SESSION_ATTRS"
+TARGET_SESSION_ATTRS_VALUES = (
+    "any", "read-write", "read-only", "primary", "standby", "prefer-standby",
+)  # fmt: skip
 
 
 def clock_tolerance(value: str | None) -> timedelta:
@@ -147,23 +154,56 @@ def settings_from_url(url: str) -> dict[str, str]:
             raise InvalidRequestError(
                 DATABASE_URL, "postgresql URL needs a database: postgresql://host/db"
             )
+        user, password, hosts, ports = _postgres_netloc(parts.netloc)
         settings = {
             "PERSISTENCE_MODULE": POSTGRES_MODULE,
             "POSTGRES_DBNAME": dbname,
-            "POSTGRES_HOST": unquote(parts.hostname or "127.0.0.1"),
-            "POSTGRES_PORT": str(parts.port or 5432),
-            "POSTGRES_USER": unquote(parts.username or "postgres"),
-            "POSTGRES_PASSWORD": unquote(parts.password or ""),
+            "POSTGRES_HOST": hosts,
+            "POSTGRES_PORT": ports,
+            "POSTGRES_USER": user or "postgres",
+            "POSTGRES_PASSWORD": password,
         }
-        schema = parse_qs(parts.query).get("schema")
+        query = parse_qs(parts.query)
+        schema = query.get("schema")
         if schema:
             settings["POSTGRES_SCHEMA"] = schema[0]
+        attrs = query.get("target_session_attrs")
+        if attrs:
+            if attrs[0] not in TARGET_SESSION_ATTRS_VALUES:
+                raise InvalidRequestError(
+                    DATABASE_URL,
+                    "target_session_attrs must be one of " + ", ".join(TARGET_SESSION_ATTRS_VALUES),
+                    attrs[0],
+                )
+            settings[TARGET_SESSION_ATTRS] = attrs[0]
         return settings
     raise InvalidRequestError(
         DATABASE_URL,
         "must start with sqlite:/// or postgresql:// "
         f"(got {scheme + '://' if scheme else redact_url(url)!r})",
     )
+
+
+def _postgres_netloc(netloc: str) -> tuple[str, str, str, str]:
+    """User, password, hosts and ports of a libpq URL's authority, which may name several
+    hosts (``user:pw@h1:5432,h2:5433``, ``[::1]:5432``): hosts and ports joined by commas,
+    as libpq takes them (a host without a port gets 5432)."""
+    userinfo, _, hostlist = netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    hosts: list[str] = []
+    ports: list[str] = []
+    for entry in hostlist.split(",") if hostlist else [""]:
+        host, port = entry, ""
+        if entry.startswith("["):
+            host, _, rest = entry[1:].partition("]")
+            port = rest.removeprefix(":")
+        elif ":" in entry:
+            host, _, port = entry.rpartition(":")
+        if port and not (port.isdigit() and 0 < int(port) < 65536):
+            raise InvalidRequestError(DATABASE_URL, "a port must be a number from 1 to 65535")
+        hosts.append(unquote(host) or "127.0.0.1")
+        ports.append(port or "5432")
+    return unquote(user), unquote(password), ",".join(hosts), ",".join(ports)
 
 
 def persistence_env(env: Mapping[str, str]) -> dict[str, str]:

@@ -37,6 +37,7 @@ import typing
 from typing import Any
 
 from secondbox_scheduler.domain.access_tokens import AccessTokens
+from secondbox_scheduler.domain.cell_claims import CellClaim
 from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
 from secondbox_scheduler.domain.lease import RunnerLease
 from secondbox_scheduler.domain.refusals import RefusalLog
@@ -79,6 +80,8 @@ FencingTokenUseUsed = FencingTokenUse.Used
 AccessTokensOpened = AccessTokens.Opened
 AccessTokensIssued = AccessTokens.Issued
 AccessTokensRevoked = AccessTokens.Revoked
+CellClaimClaimed = CellClaim.Claimed
+CellClaimMoved = CellClaim.Moved
 
 # The documented name of each event type (docs/events.md) -> its class.
 EVENT_TYPES: dict[str, type[Any]] = event_types()
@@ -107,6 +110,9 @@ __all__ = [
     "AccessTokensIssued",
     "AccessTokensOpened",
     "AccessTokensRevoked",
+    "CellClaim",
+    "CellClaimClaimed",
+    "CellClaimMoved",
     "FeedEvent",
     "FeedFilter",
     "FeedPage",

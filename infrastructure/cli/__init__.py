@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated
 
 import typer
 
 from secondbox_scheduler.domain.errors import SchedulerError
 from secondbox_scheduler.infrastructure.acting import acting_as, command_line_actor
+from secondbox_scheduler.infrastructure.cells.config import CELLS
 from secondbox_scheduler.infrastructure.cli import (
     audit,
     bench,
@@ -37,6 +40,12 @@ from secondbox_scheduler.infrastructure.cli import (
     serve,
     simulate,
     tokens,
+)
+from secondbox_scheduler.infrastructure.cli.cells import (
+    CELL_COMMANDS,
+    CellsFile,
+    CellsGroup,
+    cells_cli,
 )
 from secondbox_scheduler.infrastructure.cli.common import say_error, shown
 from secondbox_scheduler.infrastructure.exit_codes import (
@@ -69,6 +78,7 @@ cli = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode="rich",
     pretty_exceptions_enable=False,
+    cls=CellsGroup,
 )
 
 
@@ -78,6 +88,19 @@ def _print_version(wanted: bool) -> None:
 
         typer.echo(f"secondbox-scheduler {__version__}")
         raise typer.Exit()
+
+
+@contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 @cli.callback()
@@ -92,8 +115,22 @@ def _root(
             help="Print the version and exit.",
         ),
     ] = False,
+    cells: CellsFile = None,
 ) -> None:
     """The options of the command line itself (see --help)."""
+    if cells is not None:
+        # ``--cells`` before the command: the command's own option reads it from the
+        # environment, for this command only (restored after it: the CLI may run inside
+        # another program, as in the tests)
+        context.with_resource(_environment(CELLS, str(cells)))
+        if context.invoked_subcommand not in CELL_COMMANDS:
+            say_error(
+                shown(
+                    f"{context.invoked_subcommand} acts on one store: give --database-url of "
+                    f"one cell, not a cells file ({cells}; unset {CELLS})"
+                )
+            )
+            raise typer.Exit(EXIT_USAGE)
     # every command's events record `cli` and the OS user (docs/events.md, "The actor")
     context.with_resource(acting_as(command_line_actor()))
 
@@ -113,6 +150,7 @@ cli.add_typer(audit.audit_cli, name="audit")
 cli.add_typer(bench.bench_cli, name="bench")
 cli.add_typer(db.db_cli, name="db")
 cli.add_typer(tokens.tokens_cli, name="tokens")
+cli.add_typer(cells_cli, name="cells")
 
 
 def main() -> None:

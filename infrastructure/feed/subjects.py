@@ -31,6 +31,7 @@ from typing import Any
 from uuid import UUID
 
 from secondbox_scheduler.domain.access_tokens import ACCESS_TOKEN_EVENTS
+from secondbox_scheduler.domain.cell_claims import KIND_RUNNER, CellClaim
 from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
 from secondbox_scheduler.domain.ids import runner_uuid, sandbox_uuid
 from secondbox_scheduler.domain.lease import RunnerLease
@@ -143,6 +144,13 @@ def _of_sandbox(subjects: Subjects, event: Any) -> Subject:
     return Subject(sandbox_id=event.sandbox_id, pool_name=pool)
 
 
+def _claim_first(subjects: Subjects, event: Any) -> Subject:
+    """A cell claim: the runner or sandbox whose id it claims."""
+    if event.kind == KIND_RUNNER:
+        return Subject(runner_id=event.subject_id)
+    return Subject(sandbox_id=event.subject_id)
+
+
 # The first event of each kind of stream, and the subject it gives the stream.
 FIRST: Mapping[type[Any], Callable[[Subjects, Any], Subject]] = {
     Runner.Registered: _runner_first,
@@ -150,6 +158,7 @@ FIRST: Mapping[type[Any], Callable[[Subjects, Any], Subject]] = {
     Sandbox.Created: _sandbox_first,
     RefusalLog.Opened: _of_sandbox,
     FencingTokenUse.Used: _of_sandbox,
+    CellClaim.Claimed: _claim_first,
 }
 
 
@@ -221,4 +230,6 @@ RULES: Mapping[type[Any], Callable[[Subjects, Any], Subject]] = {
     RefusalLog.Refused: _stream,
     FencingTokenUse.Used: _token_use,
     **dict.fromkeys(ACCESS_TOKEN_EVENTS, _nobody),
+    CellClaim.Claimed: _stream,
+    CellClaim.Moved: _stream,
 }

@@ -21,9 +21,12 @@ from starlette.responses import Response
 
 from secondbox_scheduler.domain.limits import MAX_NAME_LENGTH
 from secondbox_scheduler.domain.values import RunnerSnapshot
+from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.cells.router import CellRouter
 from secondbox_scheduler.infrastructure.feed import lists
 from secondbox_scheduler.infrastructure.feed.reading import MAX_LIMIT
-from secondbox_scheduler.infrastructure.http.common import Scheduler, respond
+from secondbox_scheduler.infrastructure.http.cells import page_over_cells
+from secondbox_scheduler.infrastructure.http.common import Scheduler, Served, respond
 from secondbox_scheduler.infrastructure.http.errors import ERROR_RESPONSES
 from secondbox_scheduler.infrastructure.http.models import AssignmentOut
 
@@ -41,12 +44,22 @@ Cursor = Annotated[
     str | None,
     Query(
         min_length=1,
-        max_length=64,
+        max_length=128,
         description="The next cursor of the previous page (none: the first page).",
     ),
 ]
 Name = Annotated[str | None, Query(min_length=1, max_length=MAX_NAME_LENGTH)]
 NEXT = Field(description="The cursor of the following page; null after the last page.")
+
+
+def over_cells(app: Served) -> CellRouter | None:
+    """The router when the service serves several cells (their lists are walked cell
+    by cell: :func:`..cells.page_over_cells`), else None."""
+    return app if isinstance(app, CellRouter) and not app.single else None
+
+
+def one_cell(app: Served) -> SchedulerApplication:
+    return app if isinstance(app, SchedulerApplication) else app.application(app.names[0])
 
 
 class SandboxOut(BaseModel):
@@ -83,10 +96,28 @@ async def list_sandboxes(
     pool_name: Name = None,
     home_runner_id: Name = None,
 ) -> Response:
-    """The sandboxes in creation order (of a pool, homed on a runner), as they are now."""
+    """The sandboxes in creation order (of a pool, homed on a runner), as they are now
+    (over cells: cell by cell, each naming its ``cell``)."""
+    router = over_cells(app)
+    if router is not None:
+        return await run_in_threadpool(
+            page_over_cells,
+            router,
+            "sandboxes",
+            cursor,
+            limit,
+            lambda cell, at, size: lists.list_sandboxes(
+                cell, cursor=at, limit=size, pool_name=pool_name, home_runner_id=home_runner_id
+            ),
+            lambda s: SandboxOut.model_validate(s.to_dict()).model_dump(mode="json"),
+        )
     page = await run_in_threadpool(
         lambda: lists.list_sandboxes(
-            app, cursor=cursor, limit=limit, pool_name=pool_name, home_runner_id=home_runner_id
+            one_cell(app),
+            cursor=cursor,
+            limit=limit,
+            pool_name=pool_name,
+            home_runner_id=home_runner_id,
         )
     )
     return respond(
@@ -116,10 +147,29 @@ async def list_assignments(
     sandbox_id: Name = None,
 ) -> Response:
     """Every generation's assignment in the order they were fenced, as they are now (in
-    a state, e.g. every ``uncertain`` one; on a runner; of a sandbox)."""
+    a state, e.g. every ``uncertain`` one; on a runner; of a sandbox; over cells: cell
+    by cell, each naming its ``cell``)."""
+    router = over_cells(app)
+    if router is not None:
+        return await run_in_threadpool(
+            page_over_cells,
+            router,
+            "assignments",
+            cursor,
+            limit,
+            lambda cell, at, size: lists.list_assignments(
+                cell,
+                cursor=at,
+                limit=size,
+                state=state,
+                runner_id=runner_id,
+                sandbox_id=sandbox_id,
+            ),
+            lambda a: AssignmentOut.of(a).model_dump(mode="json"),
+        )
     page = await run_in_threadpool(
         lambda: lists.list_assignments(
-            app,
+            one_cell(app),
             cursor=cursor,
             limit=limit,
             state=state,
@@ -143,10 +193,28 @@ async def list_runners(
         Query(max_length=32, description="Only runners in this drain phase: active, draining."),
     ] = None,
 ) -> Response:
-    """The registered runners in registration order (of a pool, in a drain phase)."""
+    """The registered runners in registration order (of a pool, in a drain phase; over
+    cells: cell by cell, each naming its ``cell``, and ``unavailable_cells``)."""
+    router = over_cells(app)
+    if router is not None:
+        return await run_in_threadpool(
+            page_over_cells,
+            router,
+            "runners",
+            cursor,
+            limit,
+            lambda cell, at, size: lists.list_runners(
+                cell, cursor=at, limit=size, pool_name=pool_name, drain_phase=drain_phase
+            ),
+            lambda r: r.model_dump(mode="json"),
+        )
     page = await run_in_threadpool(
         lambda: lists.list_runners(
-            app, cursor=cursor, limit=limit, pool_name=pool_name, drain_phase=drain_phase
+            one_cell(app),
+            cursor=cursor,
+            limit=limit,
+            pool_name=pool_name,
+            drain_phase=drain_phase,
         )
     )
     return respond(RunnerPage(runners=page.items, next=page.next))

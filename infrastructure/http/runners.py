@@ -13,11 +13,16 @@ from starlette.responses import Response
 
 from secondbox_scheduler.domain.values import Capacity, RunnerSnapshot
 from secondbox_scheduler.infrastructure.audit.queries import timeline
-from secondbox_scheduler.infrastructure.http.common import RunnerId, Scheduler, respond
+from secondbox_scheduler.infrastructure.http.cells import assignment_list
+from secondbox_scheduler.infrastructure.http.common import (
+    RunnerId,
+    Scheduler,
+    respond,
+    runner_application,
+)
 from secondbox_scheduler.infrastructure.http.errors import ERROR_RESPONSES
 from secondbox_scheduler.infrastructure.http.models import (
     AssignmentList,
-    AssignmentOut,
     Deregistered,
     Heartbeat,
     HeartbeatOutcome,
@@ -109,14 +114,13 @@ def change_allocatable(runner_id: RunnerId, body: Capacity, app: Scheduler) -> R
 )
 def runner_assignments(runner_id: RunnerId, app: Scheduler) -> Response:
     """The assignments that hold a reservation on the runner."""
-    found = app.runner_assignments(runner_id)
-    return respond(AssignmentList(assignments=[AssignmentOut.of(a) for a in found]))
+    return assignment_list(app, app.runner_assignments(runner_id), runner_id=runner_id)
 
 
 @router.get("/{runner_id}/timeline", response_model=Timeline, summary="Runner's history")
 def runner_timeline(runner_id: RunnerId, app: Scheduler) -> Response:
     """The runner's events and its lease's, in time order (``audit timeline``)."""
-    entries = timeline(app, runner_id=runner_id)
+    entries = timeline(runner_application(app, runner_id), runner_id=runner_id)
     return respond(
         Timeline(entries=[TimelineEntryOut.model_validate(e.to_dict()) for e in entries])
     )
