@@ -167,8 +167,7 @@ class RunnerChecks(FoldState):
     # -- leases ---------------------------------------------------------------
 
     def _lease_opened(self, event: Any) -> None:
-        lease = LeaseState(event.runner_id)
-        lease.history[1] = (None, [], [])
+        lease = LeaseState(event.runner_id)  # its version 1 is kept by AuditFold._versions
         self._enter(event.originator_id).lease = lease
         self.lease_of[event.runner_id] = event.originator_id
 
