@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from secondbox_scheduler.domain.audit.evidence import plain_name
 from secondbox_scheduler.domain.audit.state import (
     DIMENSIONS,
     ZERO,
@@ -45,6 +46,9 @@ class RunnerChecks(FoldState):
             guest_protocol_maximum=event.guest_protocol_maximum,
         )
         runner.checked = checked_dimensions(runner.capabilities)
+        names = runner.capabilities
+        if all(plain_name(c) for c in names) and len(set(names)) == len(names):
+            runner.listed = sorted(names)
         self._enter(event.originator_id).runner = runner
         self.runner_streams[event.runner_id] = event.originator_id
 

@@ -73,6 +73,9 @@ class RunnerState:
     deregistered: bool = False
     version: int = 1
     checked: tuple[str, ...] = ()  # checked_dimensions(capabilities), set at registration
+    # the capabilities as a placement's evidence records them (sorted, each once), when
+    # each is a name a RunnerSnapshot takes as it is (else None: evidence is validated)
+    listed: list[str] | None = None
 
 
 @dataclass
