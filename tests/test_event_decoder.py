@@ -71,3 +71,61 @@ def test_what_the_fast_parser_refuses_goes_to_the_mapper(simulated: SchedulerApp
     assert math.isnan(decode(nan).placement["attempt"])  # orjson refuses NaN; json reads it
     with pytest.raises(MapperDeserialisationError):
         decode(_with_state(fenced, b"{oops"))
+
+
+def _shaped(fenced: Notification, change: bytes, to: bytes) -> Notification:
+    assert change in fenced.state
+    return _with_state(fenced, fenced.state.replace(change, to, 1))
+
+
+def test_events_of_a_learned_topic_in_other_shapes_decode_as_the_mapper_decodes_them(
+    simulated: SchedulerApplication,
+) -> None:
+    """The places learned from a topic's first event, then events of it with a time
+    moved, removed, added where none was, escaped, inside another object, or a key
+    ``_type_`` in an object of other keys: each decodes as the mapper decodes it."""
+    fenced = next(n for n in notifications(simulated) if n.topic.endswith("AssignmentFenced"))
+    time = b'{"_type_":"datetime_iso","_data_":"2026-01-05T08:00:00+00:00"}'
+    variants = [
+        fenced,
+        _shaped(fenced, b'"attempt":0', b'"attempt":' + time),  # a time where none was
+        _shaped(
+            fenced, b'"reconcile_claim_expires_at":null', b'"reconcile_claim_expires_at":' + time
+        ),
+        _shaped(fenced, b'"attempt":0', b'"attempt":{"_type_":"datetime_iso","x":1}'),
+        _shaped(
+            fenced,
+            b'"attempt":0',
+            b'"attempt":{"\\u005ftype_":"datetime_iso","_data_":"2026-01-05T08:00:00+00:00"}',
+        ),
+        _shaped(fenced, b'"attempt":0', b'"attempt":[' + time + b"," + time + b"]"),
+        _shaped(
+            fenced, b'"attempt":0', b'"attempt":{"_type_":"uuid_hex","_data_":"' + b"a" * 32 + b'"}'
+        ),
+        _shaped(fenced, b'"attempt":0', b'"attempt": \n 12345678901234567890123'),
+        _shaped(fenced, b'"attempt":0', b'"attempt":"_type_"'),
+    ]
+    decode = EventDecoder(simulated.mapper)
+    for variant in [*variants, *reversed(variants)]:  # each learned, then met again
+        lean, usual = decode(variant), simulated.mapper.to_domain_event(variant)
+        assert vars(lean) == vars(usual)
+        assert type(lean.placement["attempt"]) is type(vars(usual)["placement"]["attempt"])
+    plan = decode._plans[fenced.topic]
+    assert 5 <= len(plan) <= 64
+
+    # on a real history most events are converted at the learned places alone (the
+    # walk, counted, is the exception)
+    decode = EventDecoder(simulated.mapper)
+    walked = 0
+    walk = decode._convert
+
+    def counted(state: dict[str, object]) -> None:
+        nonlocal walked
+        walked += 1
+        walk(state)
+
+    decode._convert = counted
+    events = notifications(simulated)
+    for notification in events:
+        assert vars(decode(notification)) == vars(simulated.mapper.to_domain_event(notification))
+    assert walked < len(events) / 4
