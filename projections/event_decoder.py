@@ -15,21 +15,10 @@ goes to the mapper itself, so results and errors are always the mapper's: anothe
 or transcoder, a state orjson refuses (NaN) or may read differently (orjson reads an
 integer beyond 64 bits as a float, so any float of that size goes to the mapper).
 ``tests/test_event_decoder.py`` checks that both give equal events for every kind.
-
-Most of the decoding is the walk that finds the transcoded objects. Events of one topic
-keep them in the same few places (a fence's nine times), so the decoder learns, per
-topic, where they were (paths of keys and list indexes) and converts an event of that
-topic at those places only: when it converted there as many objects as the state holds
-``"_type_"`` keys (counted in the bytes, in C), there is none elsewhere, and the result
-is the walk's. Otherwise (another shape, an escaped key: a backslash-u escape anywhere, a key
-``_type_`` in an object of other keys) the walk goes over the rest, and the places it
-found are learned. An integer literal of 19 digits or more (which orjson would read as
-a float) sends the event to the mapper before parsing.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
@@ -51,11 +40,6 @@ from eventsourcing.utils import resolve_topic
 
 Convert = Callable[[Any], Any]
 _BIG = float(2**63)  # orjson reads an integer beyond 64 bits as a float at least this big
-# an integer literal of 19 digits or more (2**63 has 19): orjson may read it as a float
-_LONG_INTEGER = re.compile(rb"[:,\[]\s*-?\d{19}")
-_TYPE_KEY = b'"_type_"'
-PLAN_PATHS = 64  # places of transcoded objects learned per topic, at most
-Path = tuple[tuple[str | int, ...], str | int]  # the keys to a container, the key in it
 
 
 class _Unsure(Exception):
@@ -87,7 +71,6 @@ class EventDecoder:
             else:
                 self._decoders[name] = transcoding.decode
         self._convert = _converter(self._decoders)
-        self._plans: dict[str, list[Path]] = {}  # per topic: where its objects were
 
     def __call__(self, stored: StoredEvent) -> Any:
         try:
@@ -97,13 +80,10 @@ class EventDecoder:
         if entry is None or type(stored.originator_id) is not UUID:
             return self.mapper.to_domain_event(stored)
         try:
-            raw = stored.state
-            if _LONG_INTEGER.search(raw) is not None:
-                raise _Unsure
-            state = orjson.loads(raw)
+            state = orjson.loads(stored.state)
             if type(state) is not dict:
                 return self.mapper.to_domain_event(stored)
-            self._decode(stored.topic, raw, state)
+            self._convert(state)
         except Exception:
             return self.mapper.to_domain_event(stored)  # the mapper's result or error
         cls, convert_id, class_version = entry
@@ -116,23 +96,6 @@ class EventDecoder:
         event = object.__new__(cls)
         object.__setattr__(event, "__dict__", state)
         return event
-
-    def _decode(self, topic: str, raw: bytes, state: dict[str, Any]) -> None:
-        """Convert every transcoded object of ``state`` in place: at the places learned
-        for ``topic`` when that accounts for all of them, else by the walk."""
-        wanted = raw.count(_TYPE_KEY)
-        plan = self._plans.get(topic)
-        if b"\\u" not in raw and (  # no key spelled with escapes
-            not wanted or (plan is not None and _convert_at(state, plan, self._decoders) == wanted)
-        ):
-            return
-        fresh = orjson.loads(raw)
-        self._convert(state)
-        if plan is None:
-            plan = self._plans[topic] = []
-        if len(plan) < PLAN_PATHS:
-            known = set(plan)
-            plan += [p for p in _places(fresh) if p not in known][: PLAN_PATHS - len(plan)]
 
     def _learn(self, topic: str) -> tuple[type[Any], Convert, int] | None:
         entry = None
@@ -182,46 +145,3 @@ def _converter(decoders: dict[str, Convert]) -> Callable[[dict[str, Any]], None]
                 raise _Unsure
 
     return convert_members
-
-
-def _is_leaf_object(value: Any) -> bool:
-    """A transcoded object whose data holds no other (a time, an id): converted alone."""
-    return (
-        type(value) is dict
-        and len(value) == 2
-        and type(value.get("_type_")) is str
-        and type(value.get("_data_")) is str
-    )
-
-
-def _convert_at(state: dict[str, Any], plan: list[Path], decoders: dict[str, Convert]) -> int:
-    """Convert the transcoded objects found at the places of ``plan``; how many."""
-    done = 0
-    for keys, last in plan:
-        node: Any = state
-        try:
-            for key in keys:
-                node = node[key]
-            value = node[last]
-        except (KeyError, IndexError, TypeError):
-            continue
-        if _is_leaf_object(value):
-            node[last] = decoders[value["_type_"]](value["_data_"])
-            done += 1
-    return done
-
-
-def _places(state: dict[str, Any]) -> list[Path]:
-    """The places of the leaf transcoded objects of a parsed (not converted) state."""
-    found: list[Path] = []
-
-    def visit(node: Any, keys: tuple[str | int, ...]) -> None:
-        items = node.items() if type(node) is dict else enumerate(node)
-        for key, value in items:
-            if _is_leaf_object(value):
-                found.append((keys, key))
-            elif type(value) is dict or type(value) is list:
-                visit(value, (*keys, key))
-
-    visit(state, ())
-    return found
