@@ -34,34 +34,75 @@ _MATERIALIZATION = frozenset(("backend_kind", "architecture", "runtime_digest",
                               "toolchain_digest", "digest"))  # fmt: skip
 
 
+_INT = frozenset((int,))
+
+
 def plain_name(value: object) -> bool:
     """A name a trusted record keeps as it is (a string without NUL)."""
     return type(value) is str and "\x00" not in value
 
 
-def _plain_names(values: object) -> bool:
-    return type(values) is list and all(plain_name(v) for v in values)
+def plain_names(values: object) -> bool:
+    return type(values) is list and all(map(plain_name, values))
 
 
-def _plain_capacity(record: object, held: dict[str, int]) -> bool:
+def plain_runner(runner: RunnerState) -> bool:
+    """Whether a runner's registered fields are all as a trusted record keeps them
+    (names without NUL, capabilities each once, protocol generations in range): set
+    once at registration (``RunnerState.listed``)."""
+    names = runner.capabilities
+    protocols = (runner.guest_protocol_minimum, runner.guest_protocol_maximum)
     return (
-        type(record) is dict
-        and record == held
-        and record.keys() == _DIMENSIONS
-        and all(type(v) is int and 0 <= v <= INT64_MAX for v in record.values())
+        all(
+            map(
+                plain_name,
+                (runner.runner_id, runner.pool_name, runner.backend_kind, runner.architecture),
+            )
+        )
+        and plain_names(names)
+        and len(set(names)) == len(names)
+        and plain_names(runner.supported_egress_contexts)
+        and _INT.issuperset(map(type, protocols))
+        and min(protocols) >= 0
+        and max(protocols) <= UINT32_MAX
     )
 
 
-def _plain_heartbeat(recorded: object, held: datetime | None) -> bool:
+def plain_lease_lists(digests: object, materializations: object) -> bool:
+    """Whether a lease's digests and materializations are as a trusted record keeps
+    them (set when they change: ``LeaseState.plain_lists``)."""
+    return (
+        plain_names(digests)
+        and type(materializations) is list
+        and all(
+            type(m) is dict and m.keys() == _MATERIALIZATION and all(map(plain_name, m.values()))
+            for m in materializations
+        )
+    )
+
+
+def _plain_capacity(record: object, held: dict[str, int]) -> bool:
+    if type(record) is not dict or record != held or record.keys() != _DIMENSIONS:
+        return False
+    values = record.values()
+    return _INT.issuperset(map(type, values)) and min(values) >= 0 and max(values) <= INT64_MAX
+
+
+def _plain_heartbeat(recorded: object, lease: LeaseState, version: int, held: Any) -> bool:
     if recorded is None or held is None:
         return recorded is None and held is None
-    if type(recorded) is not str or held.utcoffset() is None:
+    if lease.heartbeat_text == (version, recorded):  # as the last placement recorded it
+        return True
+    if type(recorded) is not str:
         return False
     try:
         moment = datetime.fromisoformat(recorded.replace("Z", "+00:00"))
     except ValueError:
         return False
-    return moment == held and held.tzinfo is UTC and moment.tzinfo is UTC
+    if moment == held and held.tzinfo is UTC and moment.tzinfo is UTC:
+        lease.heartbeat_text = (version, recorded)
+        return True
+    return False
 
 
 def plain_evidence(
@@ -72,9 +113,10 @@ def plain_evidence(
     view = lease.history.get(version)
     if (
         view is None
+        or not view[4]  # the lease's lists are not as a trusted record keeps them
+        or runner.listed is None  # nor the runner's registered fields
         or type(record) is not dict
         or record.keys() != _FIELDS
-        or runner.listed is None
         or record["id"] != runner.runner_id
         or record["pool_name"] != runner.pool_name
         or record["backend_kind"] != runner.backend_kind
@@ -84,29 +126,15 @@ def plain_evidence(
         or record["supported_egress_contexts"] != runner.supported_egress_contexts
         or record["guest_protocol_minimum"] != runner.guest_protocol_minimum
         or record["guest_protocol_maximum"] != runner.guest_protocol_maximum
-    ):
-        return None
-    heartbeat, digests, materializations = view[0], view[1], view[2]
-    if (
-        record["artifact_digests"] != digests
-        or record["materializations"] != materializations
+        or record["artifact_digests"] != view[1]
+        or record["materializations"] != view[2]
+        or not plain_name(runner.drain_phase)
+        or not _INT.issuperset(
+            map(type, (record["guest_protocol_minimum"], record["guest_protocol_maximum"]))
+        )
         or not _plain_capacity(record["allocatable"], runner.allocatable)
         or not _plain_capacity(record["reserved"], runner.reserved)
-        or not _plain_heartbeat(record["last_heartbeat_at"], heartbeat)
-        or not all(
-            plain_name(record[k])
-            for k in ("id", "pool_name", "backend_kind", "architecture", "drain_phase")
-        )
-        or not _plain_names(record["artifact_digests"])
-        or not _plain_names(record["supported_egress_contexts"])
-        or not all(
-            type(v) is int and 0 <= v <= UINT32_MAX
-            for v in (record["guest_protocol_minimum"], record["guest_protocol_maximum"])
-        )
-        or not all(
-            type(m) is dict and m.keys() == _MATERIALIZATION and all(map(plain_name, m.values()))
-            for m in record["materializations"]
-        )
+        or not _plain_heartbeat(record["last_heartbeat_at"], lease, version, view[0])
     ):
         return None
     return trusted(
@@ -120,8 +148,8 @@ def plain_evidence(
             "allocatable": Capacity.of(runner.allocatable),
             "reserved": Capacity.of(runner.reserved),
             "drain_phase": runner.drain_phase,
-            "last_heartbeat_at": heartbeat,
-            "artifact_digests": tuple(digests),
+            "last_heartbeat_at": view[0],
+            "artifact_digests": tuple(view[1]),
             "materializations": lease.materializations_at(version),
             "supported_egress_contexts": tuple(runner.supported_egress_contexts),
             "guest_protocol_minimum": runner.guest_protocol_minimum,

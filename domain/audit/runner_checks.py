@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from secondbox_scheduler.domain.audit.evidence import plain_name
+from secondbox_scheduler.domain.audit.evidence import plain_lease_lists, plain_runner
 from secondbox_scheduler.domain.audit.state import (
     DIMENSIONS,
     ZERO,
@@ -46,9 +46,8 @@ class RunnerChecks(FoldState):
             guest_protocol_maximum=event.guest_protocol_maximum,
         )
         runner.checked = checked_dimensions(runner.capabilities)
-        names = runner.capabilities
-        if all(plain_name(c) for c in names) and len(set(names)) == len(names):
-            runner.listed = sorted(names)
+        if plain_runner(runner):
+            runner.listed = sorted(runner.capabilities)
         self._enter(event.originator_id).runner = runner
         self.runner_streams[event.runner_id] = event.originator_id
 
@@ -198,3 +197,4 @@ class RunnerChecks(FoldState):
             lease.last_heartbeat_at = event.at
             lease.artifact_digests = list(event.artifact_digests)
             lease.materializations = [dict(m) for m in event.materializations]
+            lease.plain_lists = plain_lease_lists(lease.artifact_digests, lease.materializations)

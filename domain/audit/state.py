@@ -85,10 +85,13 @@ class LeaseState:
     artifact_digests: list[str] = field(default_factory=list)
     materializations: list[dict[str, str]] = field(default_factory=list)
     version: int = 1
-    # by version: (heartbeat, digests, materializations, recorded at), the recent ones
+    # by version: (heartbeat, digests, materializations, recorded at, plain lists), the
+    # recent ones
     history: dict[int, tuple[Any, ...]] = field(default_factory=dict)
     snapshots: dict[int, tuple[MaterializationSnapshot, ...]] = field(default_factory=dict)
     forgotten: int = 0  # the versions up to this one are no longer kept
+    plain_lists: bool = True  # the lists are as a trusted record keeps them (evidence.py)
+    heartbeat_text: tuple[int, Any] | None = None  # the last evidence heartbeat taken as is
 
     def at_version(self, version: int) -> tuple[Any, ...]:
         entry = self.history.get(version)
@@ -102,9 +105,12 @@ class LeaseState:
         history = self.history
         # The lists are shared, not copied: the fold replaces them, never mutates them.
         history[version] = (
-            self.last_heartbeat_at, self.artifact_digests, self.materializations, recorded_at
+            self.last_heartbeat_at, self.artifact_digests, self.materializations, recorded_at,
+            self.plain_lists,
         )  # fmt: skip
         self.snapshots.pop(version, None)
+        if self.heartbeat_text is not None and self.heartbeat_text[0] == version:
+            self.heartbeat_text = None  # a version recorded again (a tampered stream)
         horizon = recorded_at - window
         while len(history) > LEASE_VERSIONS_KEPT:
             oldest = next(iter(history))
