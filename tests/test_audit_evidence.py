@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from secondbox_scheduler.domain.audit import sandbox_checks
-from secondbox_scheduler.domain.audit.evidence import plain_evidence
+from secondbox_scheduler.domain.audit.evidence import (
+    plain_evidence,
+    plain_lease_lists,
+    plain_runner,
+)
 from secondbox_scheduler.domain.audit.fold import AuditFold
 from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.domain.values import RunnerSnapshot
@@ -131,3 +136,47 @@ def test_a_lease_version_the_fold_does_not_hold_is_validated() -> None:
     assert plain_evidence(placement["runner"], runner, lease, lease.version + 1) is None
     runner.listed = None  # a runner registered with doubled or odd capabilities
     assert plain_evidence(placement["runner"], runner, lease, placement["lease_version"]) is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("pool_name", "pool\x00"),
+        ("capabilities", ["compute", "compute"]),
+        ("guest_protocol_maximum", 2**40),
+        ("guest_protocol_minimum", True),
+        ("supported_egress_contexts", ["default", 7]),
+    ],
+)
+def test_a_runner_registered_with_fields_validation_would_change_is_never_taken_as_is(
+    field: str, value: Any
+) -> None:
+    _, audit, _ = _fence_and_fold()
+    runner, _ = _state(audit)
+    assert plain_runner(runner)
+    setattr(runner, field, value)
+    assert not plain_runner(runner)
+
+
+def test_a_lease_whose_lists_validation_would_change_is_never_taken_as_is() -> None:
+    placement, audit, _ = _fence_and_fold()
+    runner, lease = _state(audit)
+    version = placement["lease_version"]
+    assert plain_lease_lists(lease.artifact_digests, lease.materializations)
+    assert not plain_lease_lists(["sha256:x\x00"], [])
+    assert not plain_lease_lists([], [{"digest": "x"}])
+    heartbeat, digests, materializations, at, _ = lease.history[version]
+    lease.history[version] = (heartbeat, digests, materializations, at, False)
+    assert plain_evidence(placement["runner"], runner, lease, version) is None
+
+
+def test_a_lease_version_recorded_again_forgets_the_heartbeat_text_taken() -> None:
+    placement, audit, _ = _fence_and_fold()
+    runner, lease = _state(audit)
+    version = placement["lease_version"]
+    assert plain_evidence(placement["runner"], runner, lease, version) is not None
+    assert lease.heartbeat_text == (version, placement["runner"]["last_heartbeat_at"])
+    lease.last_heartbeat_at = None  # the same version again, with another heartbeat
+    lease.record(version, lease.history[version][3], timedelta(minutes=15))
+    assert lease.heartbeat_text is None
+    assert plain_evidence(placement["runner"], runner, lease, version) is None
