@@ -106,6 +106,11 @@ ROUTE_ACCESS: Mapping[tuple[str, str], Access] = MappingProxyType(
         ("POST", f"{GENERATION}/reconcile"): CONTROL,
         ("GET", f"{SANDBOX}/explain"): READ,
         ("GET", f"{SANDBOX}/timeline"): READ,
+        # lists and the event feed (infrastructure/http/lists.py, events.py)
+        ("GET", "/v1/sandboxes"): READ,
+        ("GET", "/v1/assignments"): READ,
+        ("GET", "/v1/events"): READ,
+        ("GET", "/v1/events/stream"): READ,
         # access tokens
         ("GET", "/v1/tokens"): OPERATE,
         ("POST", "/v1/tokens"): OPERATE,
