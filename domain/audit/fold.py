@@ -40,7 +40,7 @@ from secondbox_scheduler.domain.access_tokens import ACCESS_TOKEN_EVENTS
 from secondbox_scheduler.domain.audit.log_times import LogTimes
 from secondbox_scheduler.domain.audit.runner_checks import RunnerChecks
 from secondbox_scheduler.domain.audit.sandbox_checks import SandboxChecks
-from secondbox_scheduler.domain.audit.state import WANTED, Pending, Violation
+from secondbox_scheduler.domain.audit.state import LEASE_WINDOW, WANTED, Pending, Violation
 from secondbox_scheduler.domain.cell_claims import CELL_CLAIM_EVENTS
 from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
 from secondbox_scheduler.domain.lease import RunnerLease
@@ -187,13 +187,7 @@ class AuditFold(RunnerChecks, SandboxChecks, LogTimes):
         lease = stream.lease
         if lease is not None:
             lease.version = event.originator_version
-            # The lists are shared, not copied: the fold replaces them, never mutates them.
-            lease.history[lease.version] = (
-                lease.last_heartbeat_at,
-                lease.artifact_digests,
-                lease.materializations,
-            )
-            lease.snapshots.pop(lease.version, None)
+            lease.record(lease.version, event.timestamp, LEASE_WINDOW)
 
     # -- state views ----------------------------------------------------------
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from secondbox_scheduler.domain.audit.evidence import plain_lease_lists, plain_runner
 from secondbox_scheduler.domain.audit.state import (
     DIMENSIONS,
     ZERO,
@@ -45,6 +46,8 @@ class RunnerChecks(FoldState):
             guest_protocol_maximum=event.guest_protocol_maximum,
         )
         runner.checked = checked_dimensions(runner.capabilities)
+        if plain_runner(runner):
+            runner.listed = sorted(runner.capabilities)
         self._enter(event.originator_id).runner = runner
         self.runner_streams[event.runner_id] = event.originator_id
 
@@ -167,8 +170,7 @@ class RunnerChecks(FoldState):
     # -- leases ---------------------------------------------------------------
 
     def _lease_opened(self, event: Any) -> None:
-        lease = LeaseState(event.runner_id)
-        lease.history[1] = (None, [], [])
+        lease = LeaseState(event.runner_id)  # its version 1 is kept by AuditFold._versions
         self._enter(event.originator_id).lease = lease
         self.lease_of[event.runner_id] = event.originator_id
 
@@ -195,3 +197,4 @@ class RunnerChecks(FoldState):
             lease.last_heartbeat_at = event.at
             lease.artifact_digests = list(event.artifact_digests)
             lease.materializations = [dict(m) for m in event.materializations]
+            lease.plain_lists = plain_lease_lists(lease.artifact_digests, lease.materializations)

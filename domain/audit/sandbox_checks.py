@@ -18,7 +18,14 @@ from sys import intern
 from typing import Any
 
 from secondbox_scheduler.domain.assignment import STATE_RELEASED, STATE_RUNNING, STATE_UNCERTAIN
-from secondbox_scheduler.domain.audit.state import FoldState, Pending, SandboxState
+from secondbox_scheduler.domain.audit.evidence import plain_evidence
+from secondbox_scheduler.domain.audit.state import (
+    LEASE_WINDOW,
+    FoldState,
+    Pending,
+    RunnerState,
+    SandboxState,
+)
 from secondbox_scheduler.domain.fencing_tokens import token_sha256
 from secondbox_scheduler.domain.placement.evidence import rank_key_from_record
 from secondbox_scheduler.domain.placement.rules import evaluate_runner
@@ -76,7 +83,7 @@ class SandboxChecks(FoldState):
             return
         record = dict(event.assignment)
         generation = record["generation"]
-        if generation in sandbox.assignments:
+        if self._record(sandbox, generation) is not None:
             self._violate("invariant-3", f"second assignment for generation {generation}")
         if generation != sandbox.generation:
             self._violate(
@@ -123,7 +130,17 @@ class SandboxChecks(FoldState):
         requirements = sandbox.pinned
         if requirements is None:
             requirements = sandbox.pinned = Requirements.from_record(sandbox.requirements)
-        evidence = RunnerSnapshot.from_record(placement["runner"])
+        runner = self._of(self.runner_streams.get(runner_id)).runner
+        lease = self._of(self.lease_of.get(runner_id)).lease
+        version = placement.get("lease_version", 0)
+        # the evidence is the fold's runner and lease, field for field (a sound history):
+        # built from them, no validation, nothing to compare (domain/audit/evidence.py)
+        evidence = None
+        if runner is not None and lease is not None and type(version) is int:
+            evidence = plain_evidence(placement["runner"], runner, lease, version)
+        plain = evidence is not None
+        if evidence is None:
+            evidence = RunnerSnapshot.from_record(placement["runner"])
         decided_at = placement["decided_at"]
         clock = placement.get("clock")  # recorded since release 0.2
         if clock is not None and abs(decided_at - clock) > self.MAX_CLOCK_SKEW:
@@ -142,10 +159,48 @@ class SandboxChecks(FoldState):
             self._violate("invariant-4", f"runner {runner_id!r} was not compatible: {reasons}")
         if record["capacity"] != requirements.capacity.as_dict():
             self._violate("invariant-4", "reserved capacity differs from the pinned requirements")
-        runner = self._of(self.runner_streams.get(runner_id)).runner
         if runner is None:
             self._violate("invariant-4", f"runner {runner_id!r} is not registered")
             return
+        if not plain:
+            self._compare_evidence(runner, evidence)
+        if runner.deregistered:
+            self._violate("invariant-4", f"runner {runner_id!r} was deregistered")
+        if placement.get("runner_version") != runner.version:
+            self._violate(
+                "invariant-4",
+                f"evidence of runner version {placement.get('runner_version')} but the runner "
+                f"was at {runner.version}",
+            )
+        if lease is None:
+            self._violate("invariant-4", f"runner {runner_id!r} has no lease")
+            return
+        if version > lease.version:
+            self._violate("invariant-4", f"evidence of lease version {version} not yet recorded")
+            return
+        if version <= lease.forgotten and version not in lease.history:
+            self._violate(
+                "invariant-4",
+                f"evidence of lease version {version}, which the lease left more than "
+                f"{LEASE_WINDOW.total_seconds():g}s before its latest event (the audit keeps "
+                "a lease's versions that long: a decision on a view of it that old is stale)",
+            )
+            return
+        if plain:
+            return
+        heartbeat, digests, _ = lease.at_version(version)
+        if (
+            heartbeat != evidence.last_heartbeat_at
+            or tuple(digests) != evidence.artifact_digests
+            or lease.materializations_at(version) != evidence.materializations
+        ):
+            self._violate(
+                "invariant-4",
+                f"heartbeat evidence differs from the lease at version {version}",
+            )
+
+    def _compare_evidence(self, runner: RunnerState, evidence: RunnerSnapshot) -> None:
+        """The recorded runner evidence against the runner as the log had it."""
         actual = {
             "allocatable": runner.allocatable,
             "reserved": runner.reserved,
@@ -170,38 +225,12 @@ class SandboxChecks(FoldState):
                     "invariant-4",
                     f"evidence {key} {value!r} differs from the runner's {actual[key]!r}",
                 )
-        if runner.deregistered:
-            self._violate("invariant-4", f"runner {runner_id!r} was deregistered")
-        if placement.get("runner_version") != runner.version:
-            self._violate(
-                "invariant-4",
-                f"evidence of runner version {placement.get('runner_version')} but the runner "
-                f"was at {runner.version}",
-            )
-        lease = self._of(self.lease_of.get(runner_id)).lease
-        if lease is None:
-            self._violate("invariant-4", f"runner {runner_id!r} has no lease")
-            return
-        version = placement.get("lease_version", 0)
-        if version > lease.version:
-            self._violate("invariant-4", f"evidence of lease version {version} not yet recorded")
-            return
-        heartbeat, digests, _ = lease.at_version(version)
-        if (
-            heartbeat != evidence.last_heartbeat_at
-            or tuple(digests) != evidence.artifact_digests
-            or lease.materializations_at(version) != evidence.materializations
-        ):
-            self._violate(
-                "invariant-4",
-                f"heartbeat evidence differs from the lease at version {version}",
-            )
 
     def _released(self, event: Any) -> None:
         sandbox = self._sandbox(event)
         if sandbox is None:
             return
-        record = sandbox.assignments.get(event.generation)
+        record = self._record(sandbox, event.generation)
         if record is None:
             self._violate("invariant-6", f"release of generation {event.generation} never fenced")
             return
@@ -225,22 +254,58 @@ class SandboxChecks(FoldState):
         if current is None or current["state"] != STATE_RELEASED:
             self._violate("invariant-6", "generation advanced before its assignment was released")
         if self.compact and current is not None:
-            sandbox.assignments[sandbox.generation] = self._compacted(current)
+            if self._as_past(sandbox, current):
+                del sandbox.assignments[sandbox.generation]  # _past gives it back
+                sandbox.drop(sandbox.generation)
+            else:
+                sandbox.assignments[sandbox.generation] = self._compacted(current)
         sandbox.generation = event.generation
+
+    def _record(self, sandbox: SandboxState, generation: int) -> dict[str, Any] | None:
+        """The assignment record of ``generation`` (None: never fenced). A compact fold
+        holds no record of a past generation released as it should be: a later event
+        of it gets the record :meth:`_past` makes, then kept."""
+        record = sandbox.assignments.get(generation)
+        if record is None and sandbox.dropped and sandbox.was_dropped(generation):
+            record = sandbox.assignments[generation] = self._past(sandbox)
+        return record
+
+    def _as_past(self, sandbox: SandboxState, record: dict[str, Any]) -> bool:
+        """Whether :meth:`_past` gives back this record of a generation being left."""
+        return (
+            record["state"] == STATE_RELEASED
+            and record["runner_id"] == sandbox.home_runner_id
+            and sandbox.pinned is not None
+            and record["capacity"] == self._shared(sandbox.pinned.capacity.as_dict())
+        )
+
+    def _past(self, sandbox: SandboxState) -> dict[str, Any]:
+        """A past generation's record as :meth:`_compacted` keeps it, for one released on
+        its home runner with its pinned capacity (what :meth:`_as_past` dropped)."""
+        assert sandbox.pinned is not None
+        capacity = self._shared(sandbox.pinned.capacity.as_dict())
+        return {
+            "state": STATE_RELEASED,
+            "runner_id": sandbox.home_runner_id,
+            "capacity": capacity,
+            "revision": 0,
+        }
+
+    def _shared(self, capacity: dict[str, int]) -> dict[str, int]:
+        key = tuple(capacity.items())
+        shared = self._capacities.get(key)
+        if shared is None:
+            shared = self._capacities[key] = dict(capacity)
+        return shared
 
     def _compacted(self, record: dict[str, Any]) -> dict[str, Any]:
         """What a later event of a past generation is checked against: its state, runner
         and capacity (a repeated release, an update of it); the revision, which updates
         count. The runner id and the capacity are shared between records."""
-        capacity = record["capacity"]
-        key = tuple(capacity.items())
-        shared = self._capacities.get(key)
-        if shared is None:
-            shared = self._capacities[key] = dict(capacity)
         return {
             "state": record["state"],
             "runner_id": intern(record["runner_id"]),
-            "capacity": shared,
+            "capacity": self._shared(record["capacity"]),
             "revision": record["revision"],
         }
 
@@ -253,7 +318,7 @@ class SandboxChecks(FoldState):
         generation = getattr(event, "generation", None)
         if sandbox is None or generation is None:
             return None
-        record = sandbox.assignments.get(generation)
+        record = self._record(sandbox, generation)
         if record is None:
             self._violate("history", f"{type(event).__name__} of unfenced generation {generation}")
         return record
@@ -310,6 +375,8 @@ class SandboxChecks(FoldState):
         record["updated_at"] = event.timestamp
 
     def _refused(self, event: Any) -> None:
+        if self.compact:  # audit verify: no check reads the refusals kept
+            return
         self.refusals.setdefault(str(event.originator_id), []).append(
             {"position": self.position, **{k: getattr(event, k) for k in (
                 "operation", "generation", "error", "summary", "decided_at",

@@ -11,8 +11,9 @@ cache, no projection.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
@@ -26,6 +27,12 @@ from secondbox_scheduler.domain.values import (
 
 DIMENSIONS = Capacity.DIMENSIONS
 SNAPSHOTS_CACHED = 4  # lease versions whose materializations are kept as value objects
+# A lease version is kept while it is among the last LEASE_VERSIONS_KEPT, or for
+# LEASE_WINDOW after the lease left it (its next version's recording time): what a
+# placement's evidence may name (docs/audit.md, "What verify holds").
+LEASE_VERSIONS_KEPT = 8
+LEASE_WINDOW = 3 * MAX_CLOCK_TOLERANCE
+TOKEN_DIGEST = 16  # bytes of a fencing token's SHA-256 kept per generation
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,9 @@ class RunnerState:
     deregistered: bool = False
     version: int = 1
     checked: tuple[str, ...] = ()  # checked_dimensions(capabilities), set at registration
+    # the capabilities as a placement's evidence records them (sorted, each once), when
+    # each is a name a RunnerSnapshot takes as it is (else None: evidence is validated)
+    listed: list[str] | None = None
 
 
 @dataclass
@@ -75,11 +85,41 @@ class LeaseState:
     artifact_digests: list[str] = field(default_factory=list)
     materializations: list[dict[str, str]] = field(default_factory=list)
     version: int = 1
+    # by version: (heartbeat, digests, materializations, recorded at, plain lists), the
+    # recent ones
     history: dict[int, tuple[Any, ...]] = field(default_factory=dict)
     snapshots: dict[int, tuple[MaterializationSnapshot, ...]] = field(default_factory=dict)
+    forgotten: int = 0  # the versions up to this one are no longer kept
+    plain_lists: bool = True  # the lists are as a trusted record keeps them (evidence.py)
+    heartbeat_text: tuple[int, Any] | None = None  # the last evidence heartbeat taken as is
 
     def at_version(self, version: int) -> tuple[Any, ...]:
-        return self.history.get(version, (None, [], []))
+        entry = self.history.get(version)
+        return (None, [], []) if entry is None else entry[:3]
+
+    def record(self, version: int, recorded_at: datetime, window: timedelta) -> None:
+        """Keep the lease as it is at ``version`` (recorded at ``recorded_at``), and
+        forget the versions it left more than ``window`` before then (the last
+        ``LEASE_VERSIONS_KEPT`` stay): the history held is bounded by the heartbeat
+        rate, not by the length of the log."""
+        history = self.history
+        # The lists are shared, not copied: the fold replaces them, never mutates them.
+        history[version] = (
+            self.last_heartbeat_at, self.artifact_digests, self.materializations, recorded_at,
+            self.plain_lists,
+        )  # fmt: skip
+        self.snapshots.pop(version, None)
+        if self.heartbeat_text is not None and self.heartbeat_text[0] == version:
+            self.heartbeat_text = None  # a version recorded again (a tampered stream)
+        horizon = recorded_at - window
+        while len(history) > LEASE_VERSIONS_KEPT:
+            oldest = next(iter(history))
+            after = history.get(oldest + 1)
+            if after is not None and after[3] >= horizon:
+                break
+            del history[oldest]
+            self.snapshots.pop(oldest, None)
+            self.forgotten = max(self.forgotten, oldest)
 
     def materializations_at(self, version: int) -> tuple[MaterializationSnapshot, ...]:
         """The lease's materializations at ``version`` as value objects (cached: the
@@ -94,6 +134,33 @@ class LeaseState:
         return items
 
 
+class TokenDigests:
+    """The fencing tokens a sandbox has used, 16 bytes of each token's SHA-256 in one
+    byte string: what the check of a reused token needs, 16 bytes per generation."""
+
+    __slots__ = ("_digests",)
+
+    def __init__(self) -> None:
+        self._digests = bytearray()
+
+    @staticmethod
+    def digest(token: str) -> bytes:
+        return hashlib.sha256(token.encode()).digest()[:TOKEN_DIGEST]
+
+    def __contains__(self, token: str) -> bool:
+        digests, wanted = self._digests, self.digest(token)
+        at = digests.find(wanted)
+        while at >= 0 and at % TOKEN_DIGEST:  # only whole digests count
+            at = digests.find(wanted, at + 1)
+        return at >= 0
+
+    def add(self, token: str) -> None:
+        self._digests += self.digest(token)
+
+    def __len__(self) -> int:
+        return len(self._digests) // TOKEN_DIGEST
+
+
 @dataclass
 class SandboxState:
     sandbox_id: str
@@ -102,9 +169,24 @@ class SandboxState:
     requirements: dict[str, Any]
     home_runner_id: str
     generation: int = 1
+    # by generation; a compact fold drops a past generation released as it should be
+    # (on its home runner, its pinned capacity: see SandboxChecks._past)
     assignments: dict[int, dict[str, Any]] = field(default_factory=dict)
-    tokens: set[str] = field(default_factory=set)
+    tokens: TokenDigests = field(default_factory=TokenDigests)
     pinned: Requirements | None = None  # Requirements.from_record(requirements), cached
+    # a compact fold's past generations it holds no record of (released as they should
+    # be): ranges, one for generations left one after another
+    dropped: list[range] = field(default_factory=list)
+
+    def drop(self, generation: int) -> None:
+        last = self.dropped[-1] if self.dropped else None
+        if last is not None and last.stop == generation:
+            self.dropped[-1] = range(last.start, generation + 1)
+        else:
+            self.dropped.append(range(generation, generation + 1))
+
+    def was_dropped(self, generation: int) -> bool:
+        return any(generation in part for part in self.dropped)
 
 
 class Stream:

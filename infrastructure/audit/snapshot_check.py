@@ -57,7 +57,7 @@ class SnapshotCheck:
         numbers: dict[UUID, int] = {}
         # in order of stream and version: those whose event is at no position of the log
         self.outside: list[tuple[UUID, int, int]] = []
-        placed = []
+        positions, numbers_of, versions, sizes = (array("q") for _ in range(4))
         for stream, version, position, size in snapshot_index(recorder):
             self.last[stream] = max(self.last.get(stream, 0), version)
             if not position or position < 1:
@@ -67,14 +67,18 @@ class SnapshotCheck:
             if number is None:
                 number = numbers[stream] = len(self.streams)
                 self.streams.append(stream)
-            placed.append((position, number, version, size))
-        placed.sort()
-        # the others, in log order: four numbers each
-        self.positions = array("q", (p[0] for p in placed))
-        self.numbers = array("q", (p[1] for p in placed))
-        self.versions = array("q", (p[2] for p in placed))
-        self.sizes = array("q", (p[3] for p in placed))
-        del placed
+            positions.append(position)
+            numbers_of.append(number)
+            versions.append(version)
+            sizes.append(size)
+        # the others, in log order: four numbers each (no row kept: the index grows with
+        # the log, a snapshot every tenth event of a stream)
+        order = sorted(range(len(positions)), key=positions.__getitem__)
+        self.positions = array("q", (positions[i] for i in order))
+        self.numbers = array("q", (numbers_of[i] for i in order))
+        self.versions = array("q", (versions[i] for i in order))
+        self.sizes = array("q", (sizes[i] for i in order))
+        del order, positions, numbers_of, versions, sizes
         self.window = range(0)  # the current page's snapshots (indexes of the arrays)
         self.pending: dict[tuple[Any, int], int] = {}  # theirs not reached yet: index
         self.rows: dict[tuple[Any, int], SnapshotRow] = {}  # the chunk read

@@ -4,6 +4,7 @@ its seal and digest."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 from uuid import UUID
 
@@ -127,8 +128,12 @@ SnapshotRow = tuple[StoredEvent, bytes | None, bytes | None]
 """(the stored snapshot, its seal, the chain digest at its version)"""
 
 
-def snapshot_index(recorder: object) -> list[SnapshotKey]:
-    """Every snapshot's key, by stream and version (no state)."""
+INDEX_BATCH = 2000  # snapshot keys fetched at once (the index is read as it is used)
+
+
+def snapshot_index(recorder: object) -> Iterator[SnapshotKey]:
+    """Every snapshot's key, by stream and version (no state), fetched a batch at a
+    time: the caller keeps what it needs of each (a few numbers), never every row."""
     if isinstance(recorder, SealedSQLiteSnapshots):
         with recorder.datastore.transaction(commit=False) as c:
             c.execute(
@@ -139,7 +144,9 @@ def snapshot_index(recorder: object) -> list[SnapshotKey]:
                 "AND e.originator_version = s.originator_version "
                 "ORDER BY s.originator_id, s.originator_version"
             )
-            return [(UUID(r[0]), r[1], r[2], r[3] or 0) for r in c.fetchall()]
+            while rows := c.sqlite_cursor.fetchmany(INDEX_BATCH):
+                yield from ((UUID(r[0]), r[1], r[2], r[3] or 0) for r in rows)
+        return
     if isinstance(recorder, SealedPostgresSnapshots):
         query = SQL(
             "SELECT s.originator_id, s.originator_version, e.notification_id, "
@@ -152,8 +159,8 @@ def snapshot_index(recorder: object) -> list[SnapshotKey]:
             conn.cursor(row_factory=tuple_row, binary=True) as curs,
         ):
             curs.execute(query)
-            return [(r[0], r[1], r[2], r[3] or 0) for r in curs.fetchall()]
-    return []
+            while rows := curs.fetchmany(INDEX_BATCH):
+                yield from ((r[0], r[1], r[2], r[3] or 0) for r in rows)
 
 
 def snapshot_rows(

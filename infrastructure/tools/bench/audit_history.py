@@ -10,11 +10,16 @@ Two shapes:
 - :func:`one_runner_history`: one runner holding ``reservations`` live reservations
   (every sandbox homed on it, placed, none released).
 
-Placements go through :meth:`SchedulerApplication.schedule_many` (the batch path of
-``schedule``: real evidence, chain links, snapshots); releases and generation advances
-are made by the aggregates and saved a few hundred per transaction in the order one
-release at a time would write them (the sandbox's release followed by the runner's
-capacity release at once, then the advance). Setup as in :mod:`.fleet`.
+The steady fleet is written fast (a million events in a couple of minutes): its
+aggregates are loaded once and kept in memory, every command is the aggregates' own
+(``decide_placement`` as ``schedule`` decides, ``Sandbox.release``, ``Runner.release``,
+``advance_generation``, ``RunnerLease.observe``: real evidence), and their events are
+saved a few hundred placements per transaction with :meth:`save_in_order`, in the order
+the commands one at a time would write them (a fence, its reservation, its token index;
+a release, its capacity release at once, then the advance), with the store's own
+encoding, chain links and snapshots. The busy runner's placements go through
+:meth:`SchedulerApplication.schedule_many` (the batch path of ``schedule``). Setup as in
+:mod:`.fleet`.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from secondbox_scheduler.domain.ids import runner_uuid, sandbox_uuid
+from secondbox_scheduler.domain.placement.deciding import Placed, decide_placement
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.domain.values import Requirements, ScheduleRequest
@@ -52,8 +58,10 @@ def _token(sandbox_id: str, generation: int) -> bytes:
     return hashlib.sha256(f"audit-bench:{sandbox_id}:{generation}".encode()).digest()
 
 
-def _request(sandbox_id: str, generation: int, requirements: Requirements) -> ScheduleRequest:
-    now = datetime.now(UTC)
+def _request(
+    sandbox_id: str, generation: int, requirements: Requirements, now: datetime | None = None
+) -> ScheduleRequest:
+    now = now or datetime.now(UTC)
     return ScheduleRequest(
         assignment_id=f"assignment-{sandbox_id}-{generation}",
         assignment_command_id=f"command-{sandbox_id}-{generation}",
@@ -90,46 +98,64 @@ def _place(
                 raise outcome
 
 
-def _release_and_advance(
-    app: SchedulerApplication, sandbox_ids: Sequence[str], generation: int
-) -> None:
-    """Release generation ``generation`` of each sandbox and advance it, a batch per
-    transaction, each release's two events adjacent as ``release`` writes them."""
-    for part in chunks(sandbox_ids, BATCH):
+class _SteadyFleet:
+    """The steady fleet's aggregates, in memory: each round is decided on them and their
+    events saved in order (what the commands would write, without loading anything)."""
+
+    def __init__(self, app: SchedulerApplication, runner_ids: Sequence[str],
+                 sandbox_ids: Sequence[str]) -> None:  # fmt: skip
+        self.app = app
+        get: Any = app.repository.get
+        self.runners: dict[str, Runner] = {r: get(runner_uuid(r)) for r in runner_ids}
+        self.leases: dict[str, Any] = {r: app.queries.lease(r) for r in runner_ids}
+        self.sandboxes: dict[str, Sandbox] = {s: get(sandbox_uuid(s)) for s in sandbox_ids}
+
+    def _home(self, runner_id: str) -> tuple[Runner, Any]:
+        return self.runners[runner_id], self.leases[runner_id]
+
+    def place(self, generation: int, requirements: Requirements) -> None:
+        for part in chunks(list(self.sandboxes), BATCH):
+            now = datetime.now(UTC)
+            events: list[Any] = []
+            touched: dict[Any, Any] = {}
+            for sandbox_id in part:
+                sandbox = self.sandboxes[sandbox_id]
+                request = _request(sandbox_id, generation, requirements, now)
+                decided = decide_placement(request, sandbox, self._home, attempt=0, clock=now)
+                if not isinstance(decided, Placed):
+                    raise RuntimeError(f"{sandbox_id}#{generation} not placed: {decided!r}")
+                placed_sandbox, runner, token = decided.aggregates
+                for aggregate in (placed_sandbox, runner, token):
+                    events += aggregate.collect_events()
+                    touched[aggregate.id] = aggregate
+            self.app.save_in_order(events, list(touched.values()))
+
+    def release_and_advance(self, generation: int) -> None:
+        for part in chunks(list(self.sandboxes), BATCH):
+            now = datetime.now(UTC)
+            events: list[Any] = []
+            touched: dict[Any, Any] = {}
+            for sandbox_id in part:
+                sandbox = self.sandboxes[sandbox_id]
+                record = sandbox.release(generation, _token(sandbox_id, generation), PROOF, now)
+                assert record is not None
+                runner = self.runners[record["runner_id"]]
+                runner.release(
+                    sandbox_id=sandbox_id, generation=generation, release_proof=PROOF, at=now
+                )
+                events += sandbox.collect_events()
+                events += runner.collect_events()
+                sandbox.advance_generation(generation, now)
+                events += sandbox.collect_events()
+                touched[sandbox.id] = sandbox
+                touched[runner.id] = runner
+            self.app.save_in_order(events, list(touched.values()))
+
+    def heartbeats(self) -> None:
+        """One heartbeat per runner, each recorded (a renewal)."""
         now = datetime.now(UTC)
         events: list[Any] = []
-        aggregates: dict[Any, Any] = {}
-        runners: dict[str, Runner] = {}
-        for sandbox_id in part:
-            sandbox: Any = app.repository.get(sandbox_uuid(sandbox_id))
-            assert isinstance(sandbox, Sandbox)
-            record = sandbox.release(generation, _token(sandbox_id, generation), PROOF, now)
-            assert record is not None
-            runner_id = record["runner_id"]
-            runner = runners.get(runner_id)
-            if runner is None:
-                loaded: Any = app.repository.get(runner_uuid(runner_id))
-                assert isinstance(loaded, Runner)
-                runner = runners[runner_id] = loaded
-            runner.release(
-                sandbox_id=sandbox_id, generation=generation, release_proof=PROOF, at=now
-            )
-            events += sandbox.collect_events()
-            events += runner.collect_events()
-            sandbox.advance_generation(generation, now)
-            events += sandbox.collect_events()
-            aggregates[sandbox.id] = sandbox
-            aggregates[runner.id] = runner
-        app.save_in_order(events, list(aggregates.values()))
-
-
-def _heartbeats(app: SchedulerApplication, runner_ids: Sequence[str]) -> None:
-    """One heartbeat per runner, each recorded (a renewal)."""
-    for part in chunks(runner_ids, BATCH):
-        now = datetime.now(UTC)
-        leases = []
-        for runner_id in part:
-            lease = app.queries.lease(runner_id)
+        for lease in self.leases.values():
             lease.observe(
                 at=now,
                 artifact_digests=(RUNTIME,),
@@ -137,8 +163,8 @@ def _heartbeats(app: SchedulerApplication, runner_ids: Sequence[str]) -> None:
                 renewal_interval=timedelta(0),  # a renewal every round
                 recorded_at=now,
             )
-            leases.append(lease)
-        app.save(*leases)
+            events += lease.collect_events()
+        self.app.save_in_order(events, list(self.leases.values()))
 
 
 def steady_history(
@@ -161,14 +187,17 @@ def steady_history(
     create_homed_sandboxes(
         app, [(s, homes[i % len(homes)]) for i, s in enumerate(sandbox_ids)], requirements, at
     )
+    steady = _SteadyFleet(app, [spec.runner_id for spec in fleet], sandbox_ids)
     generation = 1
-    runner_ids = [spec.runner_id for spec in fleet]
-    while app.event_count() - start < events:
-        _place(app, sandbox_ids, generation, requirements)
-        _release_and_advance(app, sandbox_ids, generation)
-        _heartbeats(app, runner_ids)
+    written = app.event_count() - start
+    per_round = 6 * sandboxes + runners  # a placement's 3 events, a release's 3, heartbeats
+    while written < events:
+        steady.place(generation, requirements)
+        steady.release_and_advance(generation)
+        steady.heartbeats()
         generation += 1
-        progress(f"steady history: {app.event_count() - start:,} events")
+        written += per_round
+        progress(f"steady history: {written:,} events")
     return app.event_count() - start
 
 

@@ -58,21 +58,29 @@ def measure_audit_scale(settings: BenchSettings, progress: Progress) -> dict[str
         for size in settings.audit_sizes:
             url = f"sqlite:///{Path(directory) / f'steady-{size}.db'}"
             app = SchedulerApplication(env={DATABASE_URL: url})
+            started = time.perf_counter()
             try:
                 progress(f"audit: a steady fleet's log of {size:,} events")
                 steady_history(app, size, progress=progress)
             finally:
                 app.close()
+            written = round(time.perf_counter() - started, 1)
             progress(f"audit: verify {size:,} events")
-            rows.append({"target_events": size, **verify_in_child(url)})
+            rows.append({"target_events": size, "write_seconds": written, **verify_in_child(url)})
         url = f"sqlite:///{Path(directory) / 'one-runner.db'}"
         app = SchedulerApplication(env={DATABASE_URL: url})
+        started = time.perf_counter()
         try:
             progress(f"audit: one runner with {settings.audit_reservations:,} reservations")
             one_runner_history(app, settings.audit_reservations, progress=progress)
         finally:
             app.close()
-        one = {"reservations": settings.audit_reservations, **verify_in_child(url)}
+        written = round(time.perf_counter() - started, 1)
+        one = {
+            "reservations": settings.audit_reservations,
+            "write_seconds": written,
+            **verify_in_child(url),
+        }
     first, last = rows[0], rows[-1]
     return {
         "steady": rows,

@@ -245,6 +245,30 @@ def replay_table(report: dict[str, Any]) -> Table | None:
     return table
 
 
+def audit_scale_table(report: dict[str, Any]) -> Table | None:
+    scale = report.get("audit_scale")
+    if not scale:
+        return None
+    table = Table(title="audit verify at scale (a child process each)", box=box.SIMPLE)
+    for column in ("history", "events", "written in s", "verify s", "events/s",
+                   "peak MB", "violations"):  # fmt: skip
+        table.add_column(column, justify="left" if column == "history" else "right")
+    one = scale["one_runner"]
+    rows = [(f"steady fleet, {row['target_events']:,} events", row) for row in scale["steady"]]
+    rows.append((f"one runner, {one['reservations']:,} live reservations", one))
+    for label, row in rows:
+        table.add_row(
+            label,
+            f"{row['events']:,}",
+            f"{row.get('write_seconds', 0):,.1f}",
+            f"{row['wall_seconds']:,.1f}",
+            f"{row['events_per_second']:,.0f}",
+            f"{row['peak_rss_mb']:,.1f}",
+            f"{row['violations']:,}",
+        )
+    return table
+
+
 def goals_table(report: dict[str, Any]) -> Table:
     table = Table(title="Goals", box=box.SIMPLE)
     for column in ("goal", "target", "measured", "verdict", "figures"):
@@ -276,6 +300,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         history_table(report),
         generations_table(report),
         replay_table(report),
+        audit_scale_table(report),
         goals_table(report),
     ):
         if table is not None:
