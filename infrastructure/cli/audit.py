@@ -12,6 +12,17 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from secondbox_scheduler.domain.actors import describe_actor
+from secondbox_scheduler.infrastructure.cli.audit_log import (
+    CHECK_PROOF_HELP,
+    KEYGEN_HELP,
+    PROVE_HELP,
+    WITNESS_HELP,
+    check_proof,
+    keygen,
+    prove,
+    signer_of,
+    witness,
+)
 from secondbox_scheduler.infrastructure.cli.common import (
     DatabaseUrl,
     JsonOutput,
@@ -29,9 +40,10 @@ from secondbox_scheduler.infrastructure.cli.inspection import (
     runner_table,
 )
 from secondbox_scheduler.infrastructure.cli.whatif import WHATIF_HELP, audit_whatif
-from secondbox_scheduler.infrastructure.settings import DEFAULT_SQLITE_URL
+from secondbox_scheduler.infrastructure.settings import CHECKPOINT_KEY, DEFAULT_SQLITE_URL
 
 if TYPE_CHECKING:
+    from secondbox_scheduler.infrastructure.audit.signed_notes import Signer
     from secondbox_scheduler.infrastructure.audit.verify import ChainReport
 
 audit_cli = typer.Typer(
@@ -137,17 +149,38 @@ def chain_line(chain: ChainReport) -> str:
         "Print the head of the event chain: its position and digest (POSITION:DIGEST). Keep "
         "it elsewhere (a ticket, a log line, another system); `audit verify --checkpoint` "
         "later fails if the log no longer extends it. Keyed with SECONDBOX_AUDIT_KEY when "
-        "set.\n\n[bold]Examples[/bold]\n\n"
+        "set. With --sign-key (or SECONDBOX_CHECKPOINT_KEY): the signed checkpoint of the "
+        "log's Merkle tree instead (C2SP tlog-checkpoint: origin, tree size, base64 root, "
+        "a blank line, the signature line), for `audit prove`, `check-proof`, `witness` "
+        "and `verify --checkpoint FILE`.\n\n[bold]Examples[/bold]\n\n"
         "  secondbox-scheduler audit checkpoint\n"
+        "  secondbox-scheduler audit checkpoint --sign-key log.key > cp.txt\n"
         "  secondbox-scheduler audit checkpoint --json"
     ),
 )
 def audit_checkpoint(
     database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
+    sign_key: Annotated[
+        str | None,
+        typer.Option(
+            "--sign-key",
+            envvar=CHECKPOINT_KEY,
+            help="Sign the Merkle tree's checkpoint with this private key file (`audit keygen`).",
+        ),
+    ] = None,
+    origin: Annotated[
+        str | None,
+        typer.Option("--origin", help="The checkpoint's origin line (default: the key's name)."),
+    ] = None,
     as_json: JsonOutput = False,
 ) -> None:
     from secondbox_scheduler.infrastructure.audit.verify import checkpoint
 
+    if sign_key:
+        _signed_checkpoint(database_url, signer_of(sign_key), origin, as_json)
+        return
+    if origin is not None:
+        raise typer.BadParameter("--origin goes with --sign-key", param_hint="'--origin'")
     with reported_errors(), store_errors(database_url):
         app = open_store(database_url, read_models=False)
         head = checkpoint(app)
@@ -165,6 +198,28 @@ def audit_checkpoint(
         })  # fmt: skip
         return
     stdout().print(str(head), highlight=False)
+
+
+def _signed_checkpoint(
+    database_url: str, signer: Signer, origin: str | None, as_json: bool
+) -> None:
+    from secondbox_scheduler.infrastructure.audit.merkle_log import b64, signed_checkpoint
+
+    with reported_errors(), store_errors(database_url):
+        app = open_store(database_url, read_models=False)
+        try:
+            note, body = signed_checkpoint(app, signer, origin)
+        finally:
+            app.close()
+    if as_json:
+        print_json({
+            "checkpoint": str(note),
+            "origin": body.origin,
+            "tree_size": body.size,
+            "root_hash": b64(body.root),
+        })  # fmt: skip
+        return
+    typer.echo(str(note), nl=False)
 
 
 @audit_cli.command(
@@ -304,6 +359,10 @@ def audit_explain(
 
 
 audit_cli.command("whatif", help=WHATIF_HELP)(audit_whatif)
+audit_cli.command("keygen", help=KEYGEN_HELP)(keygen)
+audit_cli.command("prove", help=PROVE_HELP)(prove)
+audit_cli.command("check-proof", help=CHECK_PROOF_HELP)(check_proof)
+audit_cli.command("witness", help=WITNESS_HELP)(witness)
 
 
 def _one_sandbox(option: str | None, positional: str | None) -> str:

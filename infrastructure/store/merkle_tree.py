@@ -130,6 +130,28 @@ class MerkleTree:
                 rows = [tuple(r) for r in c.fetchall()]
         return {(int(r[0]), int(r[1])): bytes(r[2]) for r in rows}
 
+    def leaf_data_at(self, position: int) -> bytes:
+        """The leaf data of ``position`` from the row stored there (or the gap's)."""
+        if self.postgres:
+            rows = self._pg(
+                SQL(
+                    "SELECT notification_id, originator_id, originator_version, topic, state "
+                    "FROM {schema}.{events} WHERE notification_id = %s"
+                ).format(**self._names()),
+                (position,),
+            )
+        else:
+            with self.recorder.datastore.transaction(commit=False) as c:
+                c.execute(
+                    "SELECT rowid, originator_id, originator_version, topic, state "
+                    f"FROM {self.events_table} WHERE rowid = ?",
+                    (position,),
+                )
+                rows = [tuple(r) for r in c.fetchall()]
+        if not rows:
+            return gap_leaf_data(position)
+        return row_leaf_data(rows[0])
+
     # -- writing ---------------------------------------------------------------
 
     def update(self, upto: int | None = None) -> int:
@@ -194,6 +216,18 @@ class MerkleTree:
         return self.update()
 
 
+def row_leaf_data(row: Any) -> bytes:
+    """The leaf data of a stored row (position, originator id, version, topic, state)."""
+    state = row[4]
+    return leaf_data(
+        int(row[0]),
+        row[1] if isinstance(row[1], UUID) else UUID(str(row[1])),
+        int(row[2]),
+        str(row[3]),
+        state.encode() if isinstance(state, str) else bytes(state),
+    )
+
+
 def leaf_hashes(after: int, upto: int, rows: Iterable[Any]) -> list[bytes]:
     """The leaf hashes of positions ``after + 1`` to ``upto`` from the rows stored there
     (position, originator id, version, topic, state; in position order), a gap's leaf
@@ -205,18 +239,7 @@ def leaf_hashes(after: int, upto: int, rows: Iterable[Any]) -> list[bytes]:
         while expected < position:
             hashes.append(leaf_hash(gap_leaf_data(expected)))
             expected += 1
-        state = row[4]
-        hashes.append(
-            leaf_hash(
-                leaf_data(
-                    position,
-                    row[1] if isinstance(row[1], UUID) else UUID(str(row[1])),
-                    int(row[2]),
-                    str(row[3]),
-                    state.encode() if isinstance(state, str) else bytes(state),
-                )
-            )
-        )
+        hashes.append(leaf_hash(row_leaf_data(row)))
         expected = position + 1
     while expected <= upto:
         hashes.append(leaf_hash(gap_leaf_data(expected)))
