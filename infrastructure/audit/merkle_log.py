@@ -25,7 +25,7 @@ from secondbox_scheduler.domain.audit.merkle import (
     verify_consistency,
     verify_inclusion,
 )
-from secondbox_scheduler.domain.errors import InvalidRequestError
+from secondbox_scheduler.domain.errors import InvalidRequestError, SchedulerError
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit.signed_notes import (
     Note,
@@ -38,6 +38,16 @@ from secondbox_scheduler.infrastructure.audit.signed_notes import (
 from secondbox_scheduler.infrastructure.store.merkle_tree import MerkleTree
 
 MAX_PATH = 64  # hashes in a proof of a tree of at most 2**63 leaves
+
+
+class CheckpointKeyMissingError(SchedulerError):
+    """No key to sign checkpoints with (``SECONDBOX_CHECKPOINT_KEY`` unset or unusable)."""
+
+    def __init__(self, detail: str = "") -> None:
+        super().__init__(
+            "this service signs no checkpoints: SECONDBOX_CHECKPOINT_KEY is "
+            + (f"unusable ({detail})" if detail else "not set")
+        )
 
 
 def b64(data: bytes) -> str:

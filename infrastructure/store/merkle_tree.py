@@ -37,6 +37,7 @@ from secondbox_scheduler.domain.audit.merkle import (
     leaf_data,
     leaf_hash,
 )
+from secondbox_scheduler.domain.errors import SchedulerError
 from secondbox_scheduler.infrastructure.store.chained_postgres import ChainedPostgresRecorder
 from secondbox_scheduler.infrastructure.store.chained_sqlite import ChainedSQLiteRecorder
 from secondbox_scheduler.infrastructure.store.merkle_tables import extend_function, tree_table
@@ -44,7 +45,7 @@ from secondbox_scheduler.infrastructure.store.merkle_tables import extend_functi
 UPDATE_CHUNK = 65_536  # leaves added per transaction
 
 
-class TreeUnavailableError(Exception):
+class TreeUnavailableError(SchedulerError):
     """The store keeps no tree (not a chained store, or its tables are older)."""
 
 
