@@ -299,3 +299,44 @@ def verify_consistency(
         fn >>= 1
         sn >>= 1
     return sn == 0 and hmac.compare_digest(fr, old_root) and hmac.compare_digest(sr, new_root)
+
+
+class MerkleRefold:
+    """The tree head refolded leaf by leaf from the log in order (``audit verify``): the
+    compact range of the tree so far (one complete subtree per set bit of its size, the
+    largest first), so it holds O(log n) hashes. Positions it skips are gaps' leaves.
+    ``watch``: tree sizes whose heads it keeps as it passes them (checkpoints)."""
+
+    def __init__(self, watch: Iterable[int] = ()) -> None:
+        self.size = 0
+        self.stack: list[tuple[int, bytes]] = []  # (level, hash), the largest first
+        self.watched: dict[int, bytes | None] = dict.fromkeys(watch)
+        if 0 in self.watched:
+            self.watched[0] = EMPTY_ROOT
+
+    def _append(self, leaf: bytes) -> None:
+        level, value = 0, leaf
+        stack = self.stack
+        while stack and stack[-1][0] == level:
+            value = node_hash(stack.pop()[1], value)
+            level += 1
+        stack.append((level, value))
+        self.size += 1
+        if self.size in self.watched:
+            self.watched[self.size] = self.root()
+
+    def add(self, position: int, data: bytes) -> None:
+        """The leaf of ``position`` (after the gaps before it)."""
+        self.fill(position - 1)
+        if position == self.size + 1:
+            self._append(leaf_hash(data))
+
+    def fill(self, size: int) -> None:
+        """Gaps' leaves up to tree size ``size``."""
+        while self.size < size:
+            self._append(leaf_hash(gap_leaf_data(self.size + 1)))
+
+    def root(self) -> bytes:
+        if not self.stack:
+            return EMPTY_ROOT
+        return _fold([value for _, value in self.stack])

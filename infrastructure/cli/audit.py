@@ -21,7 +21,9 @@ from secondbox_scheduler.infrastructure.cli.audit_log import (
     keygen,
     prove,
     signer_of,
+    verify_checks,
     witness,
+    write_state,
 )
 from secondbox_scheduler.infrastructure.cli.common import (
     DatabaseUrl,
@@ -44,7 +46,7 @@ from secondbox_scheduler.infrastructure.settings import CHECKPOINT_KEY, DEFAULT_
 
 if TYPE_CHECKING:
     from secondbox_scheduler.infrastructure.audit.signed_notes import Signer
-    from secondbox_scheduler.infrastructure.audit.verify import ChainReport
+    from secondbox_scheduler.infrastructure.audit.verify import AuditReport, ChainReport
 
 audit_cli = typer.Typer(
     help=(
@@ -81,21 +83,76 @@ def audit_verify(
         typer.Option(
             "--checkpoint",
             help=(
-                "Also fail unless the log still extends this checkpoint (POSITION:DIGEST as "
-                "`audit checkpoint` prints it, or the DIGEST alone): truncated, rewritten or "
-                "rolled back logs fail. Give the same SECONDBOX_AUDIT_KEY as when it was taken."
+                "Also fail unless the log still extends this checkpoint: POSITION:DIGEST as "
+                "`audit checkpoint` prints it, or the DIGEST alone (give the same "
+                "SECONDBOX_AUDIT_KEY as when it was taken), or a signed checkpoint FILE "
+                "(`audit checkpoint --sign-key`): the log's Merkle tree at its size must "
+                "have its root. Truncated, rewritten or rolled back logs fail."
+            ),
+        ),
+    ] = None,
+    log_key: Annotated[
+        str | None,
+        typer.Option(
+            "--log-key",
+            help="The log's verifier key: a signed checkpoint must carry its signature.",
+        ),
+    ] = None,
+    witness_keys: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--witness",
+            help=(
+                "A witness's verifier key: the signed checkpoint (--checkpoint FILE or "
+                "--since FILE) must be co-signed by it (repeat for several)."
+            ),
+        ),
+    ] = None,
+    since: Annotated[
+        str | None,
+        typer.Option(
+            "--since",
+            help=(
+                "Re-audit only the events after this signed checkpoint FILE: the log must "
+                "extend it (consistency proof), and the fold starts from the state sealed "
+                "at it (--since-state)."
+            ),
+        ),
+    ] = None,
+    since_state: Annotated[
+        str | None,
+        typer.Option(
+            "--since-state", help="The fold state sealed at the --since checkpoint (a FILE)."
+        ),
+    ] = None,
+    save_state: Annotated[
+        str | None,
+        typer.Option(
+            "--save-state",
+            help=(
+                "Write the fold state sealed where this verify ends to FILE, for a later "
+                "--since: at the signed --checkpoint FILE's size when one is given."
             ),
         ),
     ] = None,
     as_json: JsonOutput = False,
 ) -> None:
     from secondbox_scheduler.infrastructure.audit.log_fold import parse_until
-    from secondbox_scheduler.infrastructure.audit.verify import parse_checkpoint, verify
+    from secondbox_scheduler.infrastructure.audit.verify import verify
 
+    if witness_keys and checkpoint is None and since is None:
+        raise typer.BadParameter(
+            "--witness needs a signed checkpoint: --checkpoint FILE or --since FILE",
+            param_hint="'--witness'",
+        )
+    if (since is None) != (since_state is None):
+        raise typer.BadParameter(
+            "--since CHECKPOINT and --since-state FILE go together", param_hint="'--since'"
+        )
+    expected, merkle = verify_checks(checkpoint, log_key, witness_keys or [], since, since_state)
     with reported_errors(), store_errors(database_url):
         app = open_store(database_url, read_models=False)
         limit = parse_until(until)
-        expected = None if checkpoint is None else parse_checkpoint(checkpoint)
         total = app.event_count()
         with Progress(
             TextColumn("verifying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -103,9 +160,16 @@ def audit_verify(
         ) as bar:  # fmt: skip
             task = bar.add_task("verify", total=total)
             report = verify(
-                app, limit, progress=lambda n: bar.advance(task, n), checkpoint=expected
+                app,
+                limit,
+                progress=lambda n: bar.advance(task, n),
+                checkpoint=expected,
+                merkle=merkle,
+                save_state=save_state is not None,
             )
         app.close()
+    if save_state is not None:
+        write_state(save_state, report.state)
     if as_json:
         print_json(report.to_dict())
     else:
@@ -123,8 +187,21 @@ def audit_verify(
             f"read {report.raw_events_per_second:,.0f} events/s)"
         )
         console.print(chain_line(report.chain))
+        console.print(merkle_line(report, save_state))
     if not report.ok:
         raise typer.Exit(1)
+
+
+def merkle_line(report: AuditReport, save_state: str | None) -> str:
+    """One line on the Merkle tree: the head refolded, the stored tree, a re-audit."""
+    merkle = report.merkle
+    parts = [f"merkle: tree size {merkle.tree_size:,}, root {merkle.root_hash}"]
+    parts.append("stored tree checked" if merkle.stored_checked else "stored tree not checked")
+    if merkle.since is not None:
+        parts.append(f"re-audited from the checkpoint of tree size {merkle.since:,}")
+    if save_state is not None:
+        parts.append(f"fold state sealed at tree size {merkle.tree_size:,} in {save_state}")
+    return "; ".join(parts)
 
 
 def chain_line(chain: ChainReport) -> str:

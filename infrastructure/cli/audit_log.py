@@ -323,3 +323,67 @@ WITNESS_HELP = (
     "  secondbox-scheduler audit witness --state witness/ --key witness.key "
     "--checkpoint cp.txt --log-key log.vkey > cp-witnessed.txt"
 )
+
+
+def verify_checks(
+    checkpoint: str | None,
+    log_key: str | None,
+    witness_keys: list[str],
+    since: str | None,
+    since_state: str | None,
+) -> tuple[Any, Any]:
+    """``audit verify``'s chain checkpoint (POSITION:DIGEST or DIGEST) and its Merkle
+    checks (a signed checkpoint FILE, the keys, the ``--since`` checkpoint and state)."""
+    from secondbox_scheduler.infrastructure.audit.merkle_checks import MerkleChecks
+    from secondbox_scheduler.infrastructure.audit.signed_notes import (
+        looks_like_note,
+        parse_checkpoint_note,
+    )
+    from secondbox_scheduler.infrastructure.audit.verify import parse_checkpoint
+
+    def note_of(path: str, what: str) -> Any:
+        try:
+            return parse_checkpoint_note(read_text(path, what))
+        except NoteError as error:
+            fail(f"{what} {shown(path)}: {shown(error)}")
+
+    def key_of(text: str, what: str) -> Any:
+        try:
+            return load_verifier(text)
+        except NoteError as error:
+            fail(f"{what}: {shown(error)}")
+
+    checks = MerkleChecks(
+        log_key=None if log_key is None else key_of(log_key, "--log-key"),
+        witnesses=[key_of(k, "--witness") for k in witness_keys],
+    )
+    expected = None
+    if checkpoint is not None:
+        if os.path.isfile(checkpoint) or looks_like_note(checkpoint):
+            if os.path.isfile(checkpoint):
+                checks.signed.append(note_of(checkpoint, "checkpoint"))
+            else:
+                checks.signed.append(parse_checkpoint_note(checkpoint))
+        else:
+            with reported_errors():
+                expected = parse_checkpoint(checkpoint)
+    if since is not None:
+        checks.since = note_of(since, "--since checkpoint")
+    if since_state is not None:
+        try:
+            with open(since_state, "rb") as file:
+                checks.since_state = file.read()
+        except OSError as error:
+            fail(f"--since-state {shown(since_state)}: {shown(error.strerror or error)}")
+    return expected, checks
+
+
+def write_state(path: str, state: bytes | None) -> None:
+    """The fold state ``audit verify --save-state`` sealed, written to ``path``."""
+    if state is None:
+        fail("no fold state to save: a verify cut by time seals none (cut by position)")
+    try:
+        with open(path, "wb") as file:
+            file.write(state)
+    except OSError as error:
+        fail(f"--save-state {shown(path)}: {shown(error.strerror or error)}")
