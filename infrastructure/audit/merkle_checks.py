@@ -138,6 +138,7 @@ class MerkleChecks:
             tree = MerkleTree(app.recorder)
         except TreeUnavailableError:
             return report
+        stored = None
         if tree.update(refold.size) >= refold.size:
             report.stored_checked = True
             stored = root(refold.size, tree.read)
@@ -147,15 +148,14 @@ class MerkleChecks:
                                f"{refold.size} is not the one refolded from the log (its table "
                                "was edited, or events changed after the tree covered them)")
                 )  # fmt: skip
-        if resume is not None and self.since is not None:
+        if resume is not None and self.since is not None and stored is not None:
+            # the log as its tree has it (``merkle`` above: the tree is the log's)
             _, checkpoint = self.since
             report.since = checkpoint.size
-            if checkpoint.size > tree.size():
-                return report
             old = root(checkpoint.size, tree.read)
             path = consistency_path(checkpoint.size, refold.size, tree.read)
             if old != checkpoint.root or not verify_consistency(
-                checkpoint.size, refold.size, checkpoint.root, head, path
+                checkpoint.size, refold.size, checkpoint.root, stored, path
             ):
                 self.violations.append(
                     _violation(checkpoint.size, "checkpoint-inconsistent", f"the log's tree "
