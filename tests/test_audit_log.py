@@ -14,7 +14,6 @@ import hashlib
 import json
 import re
 import sqlite3
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +29,13 @@ from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit.fold_state import StateError
 from secondbox_scheduler.infrastructure.audit.merkle_checks import MerkleChecks
+from secondbox_scheduler.infrastructure.audit.merkle_log import consistency_proof, tree_head
 from secondbox_scheduler.infrastructure.audit.signed_notes import parse_checkpoint_note
 from secondbox_scheduler.infrastructure.audit.verify import verify
 from secondbox_scheduler.infrastructure.cli import cli
 from secondbox_scheduler.infrastructure.http.app import create_app
 from secondbox_scheduler.infrastructure.store.merkle_tree import MerkleTree
-from tests.conftest import Store
+from tests.conftest import Clock, PostgresSchema, Store
 from tests.factories import (
     RUNTIME,
     capacity,
@@ -46,6 +46,7 @@ from tests.factories import (
 )
 from tests.test_audit import append
 from tests.test_merkle_tree import conninfo, rfc_verify_consistency, rfc_verify_inclusion
+from tests.test_red_team import Roles, _connect, _granted, _history, _projector, _url, roles
 
 INCLUSION_FIELDS = {"leaf_index", "tree_size", "leaf_data", "inclusion_path", "root_hash"}
 CONSISTENCY_FIELDS = {"old_size", "new_size", "old_root", "new_root", "consistency_path"}
@@ -436,4 +437,48 @@ def test_the_audit_routes_answer_checkpoints_and_proofs(
     assert wrong.status_code == 422
 
 
-Check = Callable[[str], None]
+__all__ = ["roles"]  # the fixture, from tests/test_red_team.py
+
+
+def test_the_application_and_audit_roles_keep_the_tree_through_its_function_alone(
+    postgres_schema: PostgresSchema, roles: Roles, clock: Clock
+) -> None:
+    """docs/operations.md: the roles write nothing but through the owner's functions; the
+    tree's function computes it from the log and takes nothing else from its caller."""
+    env = _granted(postgres_schema, roles)
+    app = SchedulerApplication(env=env, now=clock)
+    projector = _projector(postgres_schema, roles)
+    auditor = SchedulerApplication(
+        env={
+            "SECONDBOX_DATABASE_URL": _url(postgres_schema, roles.auditor),
+            "SECONDBOX_READ_MODELS": "off",
+        },
+        now=clock,
+    )
+    try:
+        _history(app, projector, clock)
+        size, head = tree_head(app)  # the application role brings the tree up to date
+        assert size == MerkleTree(app.recorder).log_size() > 0
+        register(app, "r2", at=clock())
+        later, _ = tree_head(auditor)  # and so does the audit role
+        assert later > size
+        proof = consistency_proof(auditor, size)
+        assert proof.old_root == head
+    finally:
+        app.close()
+        projector.close()
+        auditor.close()
+    tree = f'"{postgres_schema.name}".schedulerapplication_events_merkle'
+    for role in (roles.app, roles.auditor):
+        with _connect(postgres_schema, role) as conn:
+            for statement in (
+                f"INSERT INTO {tree} VALUES (0, 1000000, '\\x00'::bytea)",
+                f"UPDATE {tree} SET hash = '\\x00'::bytea",
+                f"DELETE FROM {tree}",
+            ):
+                with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                    conn.execute(statement)
+            with pytest.raises(psycopg.errors.RaiseException, match="max_leaves"):
+                conn.execute(
+                    f'SELECT "{postgres_schema.name}".schedulerapplication_events_merkle_extend(0)'
+                )
