@@ -305,7 +305,9 @@ def _checked_fold(
             audit.finish(past)
         except Exception as error:  # pragma: no cover - a tampered history
             violations.append(Violation(last, "-", "-", "unfoldable", str(error)))
-    violations.extend(outside_log(recorder, read, last))  # the streams hold no other event
+    sealed_at, sealed_read = (0, 0) if resume is None else (resume.last, resume.read)
+    # the streams hold no other event
+    violations.extend(outside_log(recorder, read, last, sealed_at, sealed_read))
     # a cut by time is the cut by position at the last event read (snapshots past it wait)
     snapshots.finish(last if finished else stop, max(last, verifier.last_position))
     if chained and checkpoint is not None:

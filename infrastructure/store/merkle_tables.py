@@ -35,14 +35,32 @@ def postgres_create_statements(schema: str, events_table: str) -> list[Composed]
         "tree": Identifier(tree_table(events_table)),
         "extend": Identifier(extend_function(events_table)),
     }
-    leaf = (
-        "sha256(decode('00', 'hex') || convert_to('secondbox-leaf-v1', 'UTF8') "
-        "|| int8send(g.p) || CASE WHEN e.notification_id IS NULL THEN decode('00', 'hex') "
-        "ELSE decode('01', 'hex') || uuid_send(e.originator_id) "
+    # every statement run with EXECUTE: planned for the range at hand each time (a
+    # generic plan of a few new leaves hashed or scanned whole tables)
+    prefix = "convert_to('secondbox-leaf-v1', 'UTF8') || int8send(p)"
+    leaves = (
+        "$q$INSERT INTO {schema}.{tree} (level, idx, hash) "
+        "SELECT 0, e.notification_id - 1, sha256(decode('00', 'hex') || "
+        + prefix.replace("int8send(p)", "int8send(e.notification_id)")
+        + " || decode('01', 'hex') || uuid_send(e.originator_id) "
         "|| int8send(e.originator_version::bigint) "
         "|| int8send(octet_length(convert_to(e.topic, 'UTF8'))::bigint) "
         "|| convert_to(e.topic, 'UTF8') || int8send(octet_length(e.state)::bigint) "
-        "|| e.state END)"
+        "|| e.state) FROM {schema}.{events} e "
+        "WHERE e.notification_id > $1 AND e.notification_id <= $2$q$"
+    )
+    gaps = (
+        "$q$INSERT INTO {schema}.{tree} (level, idx, hash) "
+        "SELECT 0, g.p - 1, sha256(decode('00', 'hex') || "
+        + prefix.replace("int8send(p)", "int8send(g.p)")
+        + " || decode('00', 'hex')) FROM generate_series($1 + 1, $2) AS g(p) "
+        "WHERE NOT EXISTS (SELECT FROM {schema}.{events} e WHERE e.notification_id = g.p)$q$"
+    )
+    nodes = (
+        "$q$INSERT INTO {schema}.{tree} (level, idx, hash) "
+        "SELECT $1, l.idx / 2, sha256(decode('01', 'hex') || l.hash || r.hash) "
+        "FROM {schema}.{tree} l JOIN {schema}.{tree} r ON r.level = $1 - 1 AND r.idx = l.idx + 1 "
+        "WHERE l.level = $1 - 1 AND l.idx >= $2 AND l.idx < $3 AND l.idx % 2 = 0$q$"
     )
     return [
         SQL(
@@ -53,7 +71,7 @@ def postgres_create_statements(schema: str, events_table: str) -> list[Composed]
             "CREATE OR REPLACE FUNCTION {schema}.{extend}(max_leaves bigint) RETURNS bigint "
             "LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $BODY$\n"
             "DECLARE\n"
-            "  size bigint; target bigint; lvl int := 1;\n"
+            "  size bigint; target bigint; lvl smallint := 1; added bigint;\n"
             "BEGIN\n"
             "  IF max_leaves IS NULL OR max_leaves < 1 OR max_leaves > " + str(MAX_EXTEND) + " "
             "THEN\n"
@@ -65,16 +83,13 @@ def postgres_create_statements(schema: str, events_table: str) -> list[Composed]
             "  SELECT coalesce(max(e.notification_id), 0) INTO target FROM {schema}.{events} e;\n"
             "  target := least(target, size + max_leaves);\n"
             "  IF target <= size THEN RETURN size; END IF;\n"
-            "  INSERT INTO {schema}.{tree} (level, idx, hash) "
-            "SELECT 0, g.p - 1, " + leaf + " FROM generate_series(size + 1, target) AS g(p) "
-            "LEFT JOIN {schema}.{events} e ON e.notification_id = g.p;\n"
+            "  EXECUTE " + leaves + " USING size, target;\n"
+            "  GET DIAGNOSTICS added = ROW_COUNT;\n"
+            "  IF added < target - size THEN\n"  # positions the sequence skipped
+            "    EXECUTE " + gaps + " USING size, target;\n"
+            "  END IF;\n"
             "  WHILE (target >> lvl) > (size >> lvl) LOOP\n"
-            "    INSERT INTO {schema}.{tree} (level, idx, hash) "
-            "SELECT lvl, l.idx / 2, sha256(decode('01', 'hex') || l.hash || r.hash) "
-            "FROM {schema}.{tree} l JOIN {schema}.{tree} r "
-            "ON r.level = lvl - 1 AND r.idx = l.idx + 1 "
-            "WHERE l.level = lvl - 1 AND l.idx >= 2 * (size >> lvl) "
-            "AND l.idx < 2 * (target >> lvl) AND l.idx % 2 = 0;\n"
+            "    EXECUTE " + nodes + " USING lvl, 2 * (size >> lvl), 2 * (target >> lvl);\n"
             "    lvl := lvl + 1;\n"
             "  END LOOP;\n"
             "  RETURN target;\n"

@@ -156,16 +156,17 @@ class MerkleTree:
     # -- writing ---------------------------------------------------------------
 
     def update(self, upto: int | None = None) -> int:
-        """Bring the tree up to the log's last position (or at least to ``upto``);
-        returns its size. Reads only the events after the tree's size."""
-        target = self.log_size() if upto is None else upto
+        """Bring the tree up to the log's last position (or to ``upto``, if the log
+        reaches it); returns its size. Reads only the events after the tree's size."""
         size = self.size()
-        while size < target:
-            before = size
-            size = self._extend(min(UPDATE_CHUNK, target - size))
-            if size <= before:  # the log ends before ``upto``
-                break
-        return size
+        while True:
+            wanted = UPDATE_CHUNK if upto is None else min(UPDATE_CHUNK, upto - size)
+            if wanted <= 0:
+                return size
+            grown = self._extend(wanted)
+            if grown - size < wanted:  # the log ends there
+                return grown
+            size = grown
 
     def _extend(self, leaves: int) -> int:
         if self.postgres:
@@ -205,6 +206,20 @@ class MerkleTree:
                 [(level, idx, h) for (level, idx), h in nodes.items()],
             )
             return target
+
+    def truncate(self, size: int) -> None:
+        """Forget every node past the tree of ``size`` leaves (the schema owner's: it
+        deletes rows); :meth:`update` computes them again from the log."""
+        if self.postgres:
+            self._pg(
+                SQL("DELETE FROM {schema}.{tree} WHERE ((idx + 1) << level) > %s").format(
+                    **self._names()
+                ),
+                (size,),
+            )
+        else:
+            with self.recorder.datastore.transaction(commit=True) as c:
+                c.execute(f"DELETE FROM {self.table} WHERE ((idx + 1) << level) > ?", (size,))
 
     def rebuild(self) -> int:
         """The tree computed again from the log, from its first leaf (the schema owner's:
