@@ -302,11 +302,12 @@ def witness(
         finally:
             app.close()
     typer.echo(str(witnessed.note), nl=False)
-    extended = (
-        "the first checkpoint of this log"
-        if witnessed.previous_size is None
-        else f"extends tree size {witnessed.previous_size:,}"
-    )
+    if witnessed.previous_size is None:
+        extended = "the first checkpoint of this log"
+    elif witnessed.previous_size == witnessed.checkpoint.size:
+        extended = "the tree size accepted last, with its root"
+    else:
+        extended = f"extends tree size {witnessed.previous_size:,}"
     typer.echo(
         f"accepted: tree size {witnessed.checkpoint.size:,} of {witnessed.checkpoint.origin} "
         f"({extended}); co-signed by {signer.name}",
