@@ -11,11 +11,13 @@ with ``struct`` as docs/audit.md describes it.
 from __future__ import annotations
 
 import hashlib
+import re
 import sqlite3
 import struct
 import uuid
 from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -261,3 +263,21 @@ def test_the_stored_tree_is_rfc_9162s_over_the_documented_leaves(store: Store) -
     assert rfc_verify_consistency(first, size, rfc_mth(leaves[:first]), rfc_mth(leaves), path)
     assert tree.rebuild() == size
     assert merkle.root(size, tree.read) == rfc_mth(leaves)
+
+
+def test_docs_audit_md_rebuilds_the_leaf_hash_as_the_tree_does() -> None:
+    """The snippet of docs/audit.md ("The tree") is the leaf hash of the producer and of
+    the layout written again above."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "audit.md").read_text()
+    code = next(
+        block
+        for block in re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+        if "secondbox-leaf-v1" in block
+    )
+    namespace: dict[str, Any] = {}
+    exec(code, namespace)
+    stream = uuid.uuid4()
+    row = (stream, 3, "module:Runner.Registered", b'{"a":1}')
+    expected = rfc_hash(b"\x00" + documented_leaf(7, row))
+    assert namespace["leaf"](7, *row) == expected
+    assert merkle.leaf_hash(merkle.leaf_data(7, *row)) == expected
