@@ -291,7 +291,8 @@ def _checked_fold(
                 verifier.feed(None, link)
             last = page[-1].id
         if save_state and not finished:
-            at = last if stop is None else max(last, stop)  # the tree size it is sealed at
+            # the tree size it is sealed at: the signed checkpoint's, where it stopped
+            at = max(last, stop) if stop is not None and stop == merkle.stop else last
             state_bytes = FoldState.capture(
                 audit, verifier, refold, violations, snapshots, read, at
             )
