@@ -46,7 +46,16 @@ from tests.factories import (
 )
 from tests.test_audit import append
 from tests.test_merkle_tree import conninfo, rfc_verify_consistency, rfc_verify_inclusion
-from tests.test_red_team import Roles, _connect, _granted, _history, _projector, _url, roles
+from tests.test_red_team import (
+    Roles,
+    _admin,
+    _connect,
+    _granted,
+    _history,
+    _projector,
+    _url,
+    roles,
+)
 
 INCLUSION_FIELDS = {"leaf_index", "tree_size", "leaf_data", "inclusion_path", "root_hash"}
 CONSISTENCY_FIELDS = {"old_size", "new_size", "old_root", "new_root", "consistency_path"}
@@ -464,11 +473,23 @@ def test_the_application_and_audit_roles_keep_the_tree_through_its_function_alon
         assert later > size
         proof = consistency_proof(auditor, size)
         assert proof.old_root == head
+        assert verify(auditor).merkle.stored_checked
+        with _admin(postgres_schema) as admin:  # an audit role granted before the tree
+            admin.execute(
+                f'REVOKE EXECUTE ON FUNCTION "{postgres_schema.name}".'
+                f'schedulerapplication_events_merkle_extend(bigint) FROM "{roles.auditor}"'
+            )
+        register(app, "r3", at=clock())
+        report = verify(auditor)  # still verifies: the stored tree is read, not extended
+        assert report.ok
+        assert not report.merkle.stored_checked
+        assert report.merkle.tree_size == MerkleTree(app.recorder).log_size()
     finally:
         app.close()
         projector.close()
         auditor.close()
     tree = f'"{postgres_schema.name}".schedulerapplication_events_merkle'
+    extend = "schedulerapplication_events_merkle_extend"
     for role in (roles.app, roles.auditor):
         with _connect(postgres_schema, role) as conn:
             for statement in (
@@ -478,7 +499,8 @@ def test_the_application_and_audit_roles_keep_the_tree_through_its_function_alon
             ):
                 with pytest.raises(psycopg.errors.InsufficientPrivilege):
                     conn.execute(statement)
-            with pytest.raises(psycopg.errors.RaiseException, match="max_leaves"):
-                conn.execute(
-                    f'SELECT "{postgres_schema.name}".schedulerapplication_events_merkle_extend(0)'
-                )
+    with (
+        _connect(postgres_schema, roles.app) as conn,
+        pytest.raises(psycopg.errors.RaiseException, match="max_leaves"),
+    ):
+        conn.execute(f'SELECT "{postgres_schema.name}".{extend}(0)')

@@ -26,6 +26,8 @@ from collections.abc import Iterable
 from typing import Any
 from uuid import UUID
 
+import psycopg
+from eventsourcing.persistence import OperationalError, ProgrammingError
 from psycopg.rows import tuple_row
 from psycopg.sql import SQL, Composed, Identifier
 
@@ -67,10 +69,20 @@ class MerkleTree:
     # -- reading ---------------------------------------------------------------
 
     def _pg(self, query: Composed | str, params: Any = None) -> list[tuple[Any, ...]]:
+        """Run one statement; psycopg's errors as the library's (a role that may not run
+        the tree's function: ``ProgrammingError``)."""
         datastore = self.recorder.datastore
-        with datastore.get_connection() as conn, conn.cursor(row_factory=tuple_row) as curs:
-            curs.execute(query, params)
-            return list(curs.fetchall()) if curs.description else []
+        try:
+            with (
+                datastore.get_connection() as conn,
+                conn.cursor(row_factory=tuple_row) as curs,
+            ):
+                curs.execute(query, params)
+                return list(curs.fetchall()) if curs.description else []
+        except psycopg.OperationalError as error:
+            raise OperationalError(str(error)) from error
+        except psycopg.Error as error:
+            raise ProgrammingError(str(error)) from error
 
     def _names(self) -> dict[str, Identifier]:
         return {
