@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,8 +118,6 @@ class MerkleChecks:
         resume: FoldState | None,
     ) -> MerkleReport:
         """After the fold reached ``position``: every check of the module docstring."""
-        import base64
-
         refold.fill(position)
         head = refold.root()
         report = MerkleReport(refold.size, base64.b64encode(head).decode())

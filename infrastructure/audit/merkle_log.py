@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
 from secondbox_scheduler.domain.audit.merkle import (
     LEAF_FORMAT,
+    Node,
     consistency_path,
     inclusion_path,
     leaf_hash,
@@ -35,7 +37,7 @@ from secondbox_scheduler.infrastructure.audit.signed_notes import (
     Verifier,
     parse_checkpoint_note,
 )
-from secondbox_scheduler.infrastructure.store.merkle_tree import MerkleTree
+from secondbox_scheduler.infrastructure.store.merkle_tree import MerkleTree, TreeUnavailableError
 
 MAX_PATH = 64  # hashes in a proof of a tree of at most 2**63 leaves
 
@@ -63,8 +65,22 @@ def unb64(text: Any, field: str) -> bytes:
         raise InvalidRequestError(field, "must be standard base64", text[:40]) from None
 
 
+class _Tree(MerkleTree):
+    """The stored tree, whose missing nodes (rows deleted) are a typed error."""
+
+    def read(self, nodes: Iterable[Node]) -> dict[Node, bytes]:
+        wanted = list(nodes)
+        found = super().read(wanted)
+        if len(found) < len(set(wanted)):
+            raise TreeUnavailableError(
+                "the stored Merkle tree lacks nodes it covers (rows deleted): the schema "
+                "owner rebuilds it (MerkleTree.rebuild, docs/audit.md)"
+            )
+        return found
+
+
 def tree(app: SchedulerApplication) -> MerkleTree:
-    return MerkleTree(app.recorder)
+    return _Tree(app.recorder)
 
 
 def tree_head(app: SchedulerApplication, size: int | None = None) -> tuple[int, bytes]:
