@@ -396,6 +396,25 @@ def test_a_fold_state_changed_or_of_another_checkpoint_is_refused(
     ).ok
 
 
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+def test_since_a_checkpoint_past_the_end_of_a_cut_log_is_truncated(
+    store: Store, keys: dict[str, Path], tmp_path: Path
+) -> None:
+    started(store)
+    note = tmp_path / "cp.txt"
+    note.write_text(run(store, "checkpoint", "--sign-key", str(keys["log"])))
+    state = tmp_path / "state.bin"
+    run(store, "verify", "--checkpoint", str(note), "--save-state", str(state))
+    size = parse_checkpoint_note(note.read_text())[1].size
+    with sqlite3.connect(store.env["SQLITE_DBNAME"]) as conn:  # the tail cut, links too
+        for table in ("stored_events", "stored_events_chain"):
+            key = "rowid" if table == "stored_events" else "position"
+            conn.execute(f"DELETE FROM {table} WHERE {key} > ?", (size - 3,))
+    out = run(store, "verify", "--since", str(note), "--since-state", str(state), code=1)
+    assert "checkpoint-truncated" in out
+    assert "checkpoint-truncated" in run(store, "verify", "--checkpoint", str(note), code=1)
+
+
 def test_the_audit_routes_answer_checkpoints_and_proofs(
     store: Store, keys: dict[str, Path]
 ) -> None:

@@ -153,6 +153,15 @@ class MerkleChecks:
                                f"{refold.size} is not the one refolded from the log (its table "
                                "was edited, or events changed after the tree covered them)")
                 )  # fmt: skip
+        if resume is not None and self.since is not None:
+            _, checkpoint = self.since
+            end = tree.log_size()
+            if end < checkpoint.size:
+                self.violations.append(
+                    _violation(end + 1, "checkpoint-truncated", f"the log ends at position "
+                               f"{end}, before the --since checkpoint's tree size "
+                               f"{checkpoint.size}")
+                )  # fmt: skip
         if resume is not None and self.since is not None and stored is not None:
             # the log as its tree has it (``merkle`` above: the tree is the log's)
             _, checkpoint = self.since
