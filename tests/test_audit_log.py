@@ -30,7 +30,12 @@ from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit.fold_state import StateError
 from secondbox_scheduler.infrastructure.audit.merkle_checks import MerkleChecks
 from secondbox_scheduler.infrastructure.audit.merkle_log import consistency_proof, tree_head
-from secondbox_scheduler.infrastructure.audit.signed_notes import parse_checkpoint_note
+from secondbox_scheduler.infrastructure.audit.signed_notes import (
+    Note,
+    SignedCheckpoint,
+    Signer,
+    parse_checkpoint_note,
+)
 from secondbox_scheduler.infrastructure.audit.verify import verify
 from secondbox_scheduler.infrastructure.cli import cli
 from secondbox_scheduler.infrastructure.http.app import create_app
@@ -44,6 +49,7 @@ from tests.factories import (
     register,
     schedule_request,
 )
+from tests.http_helpers import api_client
 from tests.test_audit import append
 from tests.test_merkle_tree import conninfo, rfc_verify_consistency, rfc_verify_inclusion
 from tests.test_red_team import (
@@ -313,6 +319,44 @@ def cycles(store: Store, app: SchedulerApplication, prefix: str, count: int) -> 
         beat(store, app, home)
         assignment, _ = app.schedule(schedule_request(name, store.clock()))
         app.release(name, assignment.generation, assignment.fencing_token, {"exit": "clean"})
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+def test_a_witness_asks_the_logs_http_service_for_the_proof(
+    store: Store, keys: dict[str, Path], tmp_path: Path
+) -> None:
+    app = started(store)
+    state = tmp_path / "witness"
+
+    def witness(path: Path, url: str) -> Any:
+        return CliRunner().invoke(
+            cli,
+            ["audit", "witness", "--state", str(state), "--key", str(keys["witness"]),
+             "--checkpoint", str(path), "--log-url", url],
+        )  # fmt: skip
+
+    first = tmp_path / "cp1.txt"
+    first.write_text(run(store, "checkpoint", "--sign-key", str(keys["log"])))
+    events(store, app, "second")
+    second = tmp_path / "cp2.txt"
+    second.write_text(run(store, "checkpoint", "--sign-key", str(keys["log"])))
+    size = int(second.read_text().split("\n")[1])
+    # signed by the log's key, but not the log's tree: a fork shown to this witness only
+    forged = tmp_path / "forged.txt"
+    body = SignedCheckpoint("scheduler.test/log", size, hashlib.sha256(b"fork").digest())
+    forged.write_text(str(Note(body.body()).signed(Signer.parse(keys["log"].read_text()))))
+    with api_client(app) as client:
+        url = str(client.base_url)
+        assert witness(first, url).exit_code == 0
+        refused = witness(forged, url)
+        assert refused.exit_code == 1, refused.stderr
+        assert f"tree size {size} does not extend" in refused.stderr
+        assert witness(second, url).exit_code == 0
+    events(store, app, "third")
+    third = tmp_path / "cp3.txt"
+    third.write_text(run(store, "checkpoint", "--sign-key", str(keys["log"])))
+    gone = witness(third, "http://127.0.0.1:9")  # nothing listens there: no proof, no co-sign
+    assert gone.exit_code == 4, gone.stderr
 
 
 def ghost_reservation(app: SchedulerApplication) -> int:

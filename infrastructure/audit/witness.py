@@ -124,3 +124,42 @@ def _extends(old: SignedCheckpoint, new: SignedCheckpoint, consistency: Consiste
             old.size,
             new.size,
         )
+
+
+class LogUnreachableError(Exception):
+    """The log's consistency proof could not be fetched (``--log-url``)."""
+
+
+def http_consistency(
+    url: str, token: str | None = None, timeout: float = 30.0
+) -> ConsistencySource:
+    """The log's consistency proofs from its HTTP service (``GET
+    /v1/audit/proofs/consistency?from=&to=``, with a bearer token of a reading role)."""
+    import json
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    from secondbox_scheduler.infrastructure.audit.merkle_log import ConsistencyProof
+
+    def fetch(old_size: int, new_size: int) -> list[bytes]:
+        query = urllib.parse.urlencode({"from": old_size, "to": new_size})
+        request = urllib.request.Request(
+            f"{url.rstrip('/')}/v1/audit/proofs/consistency?{query}",
+            headers={"Authorization": f"Bearer {token}"} if token else {},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                body = json.loads(response.read(1 << 20))
+        except urllib.error.HTTPError as error:
+            if error.code in (400, 404, 422):  # the log has no such tree: nothing extends
+                return []
+            raise LogUnreachableError(f"{url}: HTTP {error.code}") from None
+        except (urllib.error.URLError, OSError, ValueError) as error:
+            raise LogUnreachableError(f"{url}: {error}") from None
+        proof = ConsistencyProof.from_dict(body)
+        if (proof.old_size, proof.new_size) != (old_size, new_size):
+            return []  # a proof of other sizes proves nothing here
+        return list(proof.consistency_path)
+
+    return fetch

@@ -32,7 +32,11 @@ from secondbox_scheduler.infrastructure.cli.common import (
     stdout,
     store_errors,
 )
-from secondbox_scheduler.infrastructure.exit_codes import EXIT_USAGE, EXIT_VIOLATION
+from secondbox_scheduler.infrastructure.exit_codes import (
+    EXIT_STORE_UNAVAILABLE,
+    EXIT_USAGE,
+    EXIT_VIOLATION,
+)
 from secondbox_scheduler.infrastructure.settings import DEFAULT_SQLITE_URL
 
 KeyOption = Annotated[
@@ -272,10 +276,32 @@ def witness(
         str | None,
         typer.Option("--log-key", help="The log's verifier key: its signature is required."),
     ] = None,
+    log_url: Annotated[
+        str | None,
+        typer.Option(
+            "--log-url",
+            help=(
+                "Ask the log's HTTP service for the consistency proof (GET "
+                "/v1/audit/proofs/consistency) instead of its database."
+            ),
+        ),
+    ] = None,
+    access_token: Annotated[
+        str | None,
+        typer.Option(
+            "--access-token",
+            envvar="SECONDBOX_ACCESS_TOKEN",
+            help="A bearer token of a reading role for --log-url.",
+        ),
+    ] = None,
     database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
 ) -> None:
     from secondbox_scheduler.infrastructure.audit.merkle_log import consistency_proof
-    from secondbox_scheduler.infrastructure.audit.witness import CheckpointRefused
+    from secondbox_scheduler.infrastructure.audit.witness import (
+        CheckpointRefused,
+        LogUnreachableError,
+        http_consistency,
+    )
     from secondbox_scheduler.infrastructure.audit.witness import witness as cosign
 
     signer = signer_of(key)
@@ -285,22 +311,29 @@ def witness(
         fail(shown(error))
     text = read_text(checkpoint, "checkpoint")
     with reported_errors(), store_errors(database_url):
-        app = open_store(database_url, read_models=False)
+        app = None if log_url else open_store(database_url, read_models=False)
+        source: Any
+        if log_url:
+            source = http_consistency(log_url, access_token)
+        else:
+            store = app
+
+            def source(old: int, new: int) -> list[bytes]:
+                assert store is not None
+                return list(consistency_proof(store, old, new).consistency_path)
+
         try:
-            witnessed = cosign(
-                state,
-                signer,
-                text,
-                lambda old, new: list(consistency_proof(app, old, new).consistency_path),
-                verifier,
-            )
+            witnessed = cosign(state, signer, text, source, verifier)
         except CheckpointRefused as error:
             say_error(shown(error))
             raise typer.Exit(EXIT_VIOLATION) from None
         except NoteError as error:
             fail(f"checkpoint {shown(checkpoint)}: {shown(error)}", EXIT_USAGE)
+        except LogUnreachableError as error:
+            fail(f"the log's proof: {shown(error)}", EXIT_STORE_UNAVAILABLE)
         finally:
-            app.close()
+            if app is not None:
+                app.close()
     typer.echo(str(witnessed.note), nl=False)
     if witnessed.previous_size is None:
         extended = "the first checkpoint of this log"
@@ -320,9 +353,12 @@ WITNESS_HELP = (
     "this witness accepted for the same origin (kept in --state): the log's consistency "
     "proof from the old size to the new must verify against the two checkpoints' roots. "
     "Prints the co-signed checkpoint; refuses (exit 1, naming both sizes) a checkpoint "
-    "that does not extend the last one.\n\n[bold]Example[/bold]\n\n"
+    "that does not extend the last one. The proof comes from the log's database, or from "
+    "its HTTP service with --log-url.\n\n[bold]Examples[/bold]\n\n"
     "  secondbox-scheduler audit witness --state witness/ --key witness.key "
-    "--checkpoint cp.txt --log-key log.vkey > cp-witnessed.txt"
+    "--checkpoint cp.txt --log-key log.vkey > cp-witnessed.txt\n"
+    "  secondbox-scheduler audit witness --state witness/ --key witness.key "
+    "--checkpoint cp.txt --log-url https://scheduler.example:8443"
 )
 
 
