@@ -27,6 +27,7 @@ import psycopg
 import pytest
 from typer.testing import CliRunner
 
+from secondbox_scheduler.domain.assignment import STATES
 from secondbox_scheduler.domain.ids import refusal_log_uuid, runner_uuid, sandbox_uuid
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit.log_fold import log_events
@@ -382,14 +383,30 @@ def test_every_http_read_answers_for_every_sandbox_and_runner(history: History) 
             )
             add("/v1/audit/proofs/consistency", f"/v1/audit/proofs/consistency?from={position}")
         add("/v1/audit/proofs/consistency", f"/v1/audit/proofs/consistency?from=0&to={size}")
+        # the lists and the event feed (docs/api.md), every page of a history this small
+        add("/v1/sandboxes", "/v1/sandboxes?limit=1000")
+        add("/v1/assignments", "/v1/assignments?limit=1000")
+        for state in STATES:
+            add("/v1/assignments", f"/v1/assignments?state={state}")
+        for pool in history.pools:
+            add("/v1/sandboxes", f"/v1/sandboxes?pool_name={pool}")
+            add("/v1/runners", f"/v1/runners?pool_name={pool}&drain_phase=draining")
+            add("/v1/events", f"/v1/events?pool_name={pool}")
+        add("/v1/events", "/v1/events?limit=1000")
+        add("/v1/events/stream", "/v1/events/stream?timeout=0")
+        for sandbox_id in history.sandboxes:
+            add("/v1/events", f"/v1/events?sandbox_id={sandbox_id}")
+            add("/v1/assignments", f"/v1/assignments?sandbox_id={sandbox_id}")
+        for runner_id in history.runners:
+            add("/v1/events", f"/v1/events?runner_id={runner_id}")
         uncovered = sorted(path for path, asked in urls.items() if not asked)
         assert not uncovered, f"GET routes this test does not ask: {uncovered}"
         with api_client(app) as client:
             for path, asked in sorted(urls.items()):
                 for url in asked:
                     response = client.get(url)
-                    if path == "/metrics":
-                        assert response.status_code == 200
+                    if path in ("/metrics", "/v1/events/stream"):
+                        assert response.status_code == 200, (url, response.text)
                         continue
                     body = response.json()  # a document, whatever the status
                     if response.status_code == 404:

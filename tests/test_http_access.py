@@ -66,12 +66,13 @@ class Service:
 
 
 def _fill(template: str, service: Service) -> str:
-    return (
+    path = (
         template.replace("{runner_id}", "runner-1")
         .replace("{sandbox_id}", "sbx-1")
         .replace("{generation}", "1")
         .replace("{token_id}", service.spare.token_id)
     )
+    return f"{path}?timeout=0" if path.endswith("/events/stream") else path  # ends at once
 
 
 @pytest.fixture(scope="module")

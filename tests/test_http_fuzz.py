@@ -86,6 +86,8 @@ def service(postgres_schema: Any, clock: Clock) -> Iterator[FastAPI]:
         tokens = {role: issue_token(app, role=role).token for role in (ADMIN, CONTROL_PLANE)}
         service = create_app(app)
         service.state.tokens = tokens
+        service.state.feed_max_wait_seconds = 0  # a long poll answers at once
+        service.state.feed_max_stream_seconds = 0  # a stream ends after what is there
         yield service
     finally:
         app.close()

@@ -97,9 +97,9 @@ def test_a_fault_is_an_internal_error_problem_without_its_details(
     def broken(*_: Any, **__: Any) -> None:
         raise RuntimeError(f"the fault's own text {SECRET}")
 
-    monkeypatch.setattr(scheduler, "runner_snapshots", broken)
+    monkeypatch.setattr(scheduler, "assignments", broken)
     with api_client(scheduler) as client:
-        answer = client.get("/v1/runners")
+        answer = client.get("/v1/sandboxes/s1/assignments")
     problem = error_of(answer, 500, "internal_error")
     assert SECRET not in problem["detail"]
     assert problem["title"] == "Internal error"
@@ -200,11 +200,11 @@ def test_without_the_access_log_only_server_errors_are_logged(
     def broken(*_: Any, **__: Any) -> None:
         raise RuntimeError("a fault")
 
-    monkeypatch.setattr(scheduler, "runner_snapshots", broken)
+    monkeypatch.setattr(scheduler, "assignments", broken)
     with request_lines() as lines, served(create_app(scheduler)) as client:
         client.get("/healthz")
         client.get("/v1/runners/r9")
-        client.get("/v1/runners")
+        client.get("/v1/sandboxes/s1/assignments")
     assert [(line["level"], line["status"], line["outcome"]) for line in lines] == [
         ("error", 500, "error")
     ]

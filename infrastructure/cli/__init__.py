@@ -8,7 +8,8 @@ violation found, 2 a usage error, 3 refused by a rule, 4 the store unavailable, 
 fault of ours.
 
 This module builds the typer app ``cli`` from the command groups, one module each:
-``simulate``, ``inspection`` (``runners``, ``assignments``), ``faults`` (``verify``),
+``simulate``, ``inspection`` (``runners``, ``assignments``), ``lists`` (``list ...``,
+``events``), ``faults`` (``verify``),
 ``lifecycle`` (``reconcile``, ``release``), ``serve`` (the HTTP service),
 ``projections``, ``audit``, ``bench``, ``db`` and ``tokens`` (access tokens);
 ``common`` holds what they share.
@@ -31,6 +32,7 @@ from secondbox_scheduler.infrastructure.cli import (
     faults,
     inspection,
     lifecycle,
+    lists,
     projections,
     serve,
     simulate,
@@ -100,10 +102,12 @@ def _root(
 cli.registered_commands += [
     *simulate.commands.registered_commands,
     *inspection.commands.registered_commands,
+    *lists.commands.registered_commands,
     *faults.commands.registered_commands,
     *lifecycle.commands.registered_commands,
     *serve.commands.registered_commands,
 ]
+cli.add_typer(lists.lists_cli, name="list")
 cli.add_typer(projections.projections_cli, name="projections")
 cli.add_typer(audit.audit_cli, name="audit")
 cli.add_typer(bench.bench_cli, name="bench")

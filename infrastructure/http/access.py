@@ -110,6 +110,11 @@ ROUTE_ACCESS: Mapping[tuple[str, str], Access] = MappingProxyType(
         ("GET", "/v1/audit/checkpoint"): READ,
         ("GET", "/v1/audit/proofs/inclusion"): READ,
         ("GET", "/v1/audit/proofs/consistency"): READ,
+        # lists and the event feed (infrastructure/http/lists.py, events.py)
+        ("GET", "/v1/sandboxes"): READ,
+        ("GET", "/v1/assignments"): READ,
+        ("GET", "/v1/events"): READ,
+        ("GET", "/v1/events/stream"): READ,
         # access tokens
         ("GET", "/v1/tokens"): OPERATE,
         ("POST", "/v1/tokens"): OPERATE,

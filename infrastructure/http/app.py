@@ -15,7 +15,9 @@ from fastapi import Depends, FastAPI
 from prometheus_client import CollectorRegistry
 
 import secondbox_scheduler.infrastructure.http.audit_log as audit_log
+import secondbox_scheduler.infrastructure.http.events as events
 import secondbox_scheduler.infrastructure.http.health as health
+import secondbox_scheduler.infrastructure.http.lists as lists
 import secondbox_scheduler.infrastructure.http.runners as runners
 import secondbox_scheduler.infrastructure.http.sandboxes as sandboxes
 import secondbox_scheduler.infrastructure.http.tokens as tokens
@@ -101,7 +103,9 @@ def create_app(
     app.state.max_read_model_lag = max_read_model_lag
     install_error_handlers(app)
     problem_openapi(app)
+    app.include_router(lists.router)  # before runners: GET /v1/runners is a list
     app.include_router(runners.router)
+    app.include_router(events.router)
     app.include_router(sandboxes.router)
     app.include_router(health.router)
     app.include_router(tokens.router)

@@ -1,5 +1,6 @@
-"""``/v1/runners``: register, heartbeat, drain and cancel, allocatable, deregister; the
-runner snapshots, one runner, its assignments and its timeline.
+"""``/v1/runners``: register, heartbeat, drain and cancel, allocatable, deregister; one
+runner, its assignments and its timeline (the list of runners, a page at a time, is in
+:mod:`.lists`).
 
 Commands answer with the runner as its aggregates now hold it (not the read model,
 which another process may keep behind); queries read the read models.
@@ -12,7 +13,7 @@ from starlette.responses import Response
 
 from secondbox_scheduler.domain.values import Capacity, RunnerSnapshot
 from secondbox_scheduler.infrastructure.audit.queries import timeline
-from secondbox_scheduler.infrastructure.http.common import PoolQuery, RunnerId, Scheduler, respond
+from secondbox_scheduler.infrastructure.http.common import RunnerId, Scheduler, respond
 from secondbox_scheduler.infrastructure.http.errors import ERROR_RESPONSES
 from secondbox_scheduler.infrastructure.http.models import (
     AssignmentList,
@@ -22,7 +23,6 @@ from secondbox_scheduler.infrastructure.http.models import (
     HeartbeatOutcome,
     RegisteredRunner,
     RunnerChanged,
-    RunnerList,
     RunnerRegistration,
     Timeline,
     TimelineEntryOut,
@@ -54,12 +54,6 @@ def register_runner(body: RunnerRegistration, app: Scheduler) -> Response:
     )
     runner = app.fold_runner(body.runner_id)
     return respond(RegisteredRunner(runner=runner, created=created), 201 if created else 200)
-
-
-@router.get("", response_model=RunnerList, summary="Runner snapshots")
-def list_runners(app: Scheduler, pool_name: PoolQuery = None) -> Response:
-    """Every registered runner (of one pool), sorted by id, from the read model."""
-    return respond(RunnerList(runners=app.runner_snapshots(pool_name)))
 
 
 @router.get("/{runner_id}", response_model=RunnerSnapshot, summary="One runner")
