@@ -19,7 +19,7 @@ DISTRIBUTION = "secondbox-scheduler"
 # extra: the modules it brings that the code imports (by import name)
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "fast": ("orjson",),
-    "cli": ("typer", "rich"),
+    "cli": ("typer", "rich", "cryptography"),
     "server": ("fastapi", "starlette", "uvicorn", "anyio", "prometheus_client"),
     "bench": ("httpx",),
     "yaml": ("yaml",),

@@ -38,6 +38,9 @@ DEFAULT_READY_MAX_LAG = 1000
 DEFAULT_SQLITE_URL = "sqlite:///secondbox.db"
 # The key of the event chain and snapshot seals (HMAC-SHA-256; unset: SHA-256 alone).
 AUDIT_KEY = "SECONDBOX_AUDIT_KEY"
+# The private key that signs checkpoints (``audit checkpoint``, ``/v1/audit/checkpoint``):
+# the key itself (PRIVATE+KEY+...) or the path of the file ``audit keygen`` wrote.
+CHECKPOINT_KEY = "SECONDBOX_CHECKPOINT_KEY"
 # Hidden, for the bench's comparison only: "off" stores events without the chain.
 CHAIN = "SECONDBOX_CHAIN"
 APPLICATION_RECORDER_TOPIC = "APPLICATION_RECORDER_TOPIC"

@@ -438,11 +438,11 @@ def read_raw(
     app: Application[Any],
     progress: Callable[[int], None] = lambda _: None,
     until: int | None = None,
+    after: int = 0,
 ) -> int:
-    """Read the notifications (up to ``until``) with the recorder alone, in the pages a
-    rebuild or an audit uses: the baseline their rates are compared with."""
+    """Read the notifications (after ``after``, up to ``until``) with the recorder alone,
+    in the pages a rebuild or an audit uses: the baseline their rates are compared with."""
     read = 0
-    after = 0
     while True:
         page = app.recorder.select_notifications(
             start=after, limit=PAGE, stop=until, inclusive_of_start=False

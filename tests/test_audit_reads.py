@@ -31,6 +31,7 @@ from secondbox_scheduler.domain.assignment import STATES
 from secondbox_scheduler.domain.ids import refusal_log_uuid, runner_uuid, sandbox_uuid
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit.log_fold import log_events
+from secondbox_scheduler.infrastructure.audit.signed_notes import Signer
 from secondbox_scheduler.infrastructure.cli import audit as audit_commands
 from secondbox_scheduler.infrastructure.cli import cli
 from secondbox_scheduler.infrastructure.cli import inspection as inspection_commands
@@ -370,6 +371,18 @@ def test_every_http_read_answers_for_every_sandbox_and_runner(history: History) 
                     f"{base}/assignment?generation={generation}",
                 )
                 add("/v1/sandboxes/{sandbox_id}/explain", f"{base}/explain?generation={generation}")
+        # the log as a Merkle tree: the signed checkpoint, proofs at the ends and middle
+        app.env["SECONDBOX_CHECKPOINT_KEY"] = str(Signer.generate("audit-reads"))
+        size = app.head_position()
+        add("/v1/audit/checkpoint", "/v1/audit/checkpoint")
+        for position in sorted({1, size // 2 or 1, size}):
+            add("/v1/audit/proofs/inclusion", f"/v1/audit/proofs/inclusion?position={position}")
+            add(
+                "/v1/audit/proofs/inclusion",
+                f"/v1/audit/proofs/inclusion?position={position}&size={size}",
+            )
+            add("/v1/audit/proofs/consistency", f"/v1/audit/proofs/consistency?from={position}")
+        add("/v1/audit/proofs/consistency", f"/v1/audit/proofs/consistency?from=0&to={size}")
         # the lists and the event feed (docs/api.md), every page of a history this small
         add("/v1/sandboxes", "/v1/sandboxes?limit=1000")
         add("/v1/assignments", "/v1/assignments?limit=1000")

@@ -55,6 +55,8 @@ GOALS = {
     "batched_placement",
     "batched_contention_goodput",
     "versus_row_lock",
+    "merkle_upkeep",
+    "since_reaudit",
 }
 GOAL_FIELDS = {"target", "value", "met", "detail"}
 
@@ -183,6 +185,12 @@ def test_quick_bench_on_sqlite_reports_every_section_and_goal(quick: QuickRun) -
     assert contended["hot_runner_state"]["oversubscribed_runners"] == 0
     assert contended["hot_runner_state"]["reservations_match_placements"]
     assert report["row_lock"] == {"skipped": "the row-lock peer runs on PostgreSQL only"}
+    merkle = report["merkle"]  # the tree over exactly the events of a batched run
+    assert merkle["events"] >= merkle["placement"]["placed"] > 0
+    assert merkle["eager_updates"] >= 1
+    since = report["since"]
+    assert since["same_findings"]
+    assert 0 < since["new_events"] < since["events"]
 
     assert_goals(report, measured=GOALS - {"versus_row_lock"})
     assert not database.exists(), "the benchmark removes its database unless --keep"

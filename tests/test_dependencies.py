@@ -45,6 +45,8 @@ LAZY = {
     "infrastructure/application.py": "server",  # attach_metrics: the embedder's registry
     "infrastructure/audit/whatif_replay.py": "yaml",  # ImportError -> names the extra
     "infrastructure/tools/bench/over_http.py": "bench",
+    # signed checkpoints: Ed25519 when a key is used, MissingExtraError names [cli]
+    "infrastructure/audit/signed_notes.py": "cli",
 }
 
 

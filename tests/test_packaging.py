@@ -45,7 +45,7 @@ SOURCES = ("pyproject.toml", "README.md", "secondbox_scheduler", "domain", "proj
            "infrastructure")  # fmt: skip
 README = ROOT / "README.md"
 OPTIONAL = ("typer", "rich", "fastapi", "starlette", "uvicorn", "prometheus_client", "httpx",
-            "orjson", "hypothesis", "yaml", "click")  # fmt: skip
+            "orjson", "hypothesis", "yaml", "click", "cryptography")  # fmt: skip
 # the modules of the extras (infrastructure/extras.py): imported only with them
 NOT_LIBRARY = ("secondbox_scheduler.infrastructure.cli", "secondbox_scheduler.infrastructure.http",
                "secondbox_scheduler.infrastructure.prometheus_export",

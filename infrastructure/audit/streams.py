@@ -21,8 +21,9 @@ RULE = "stream-not-in-log"
 NAMED = 20  # events named one by one; the others counted
 
 
-def _statement(recorder: Any) -> tuple[str, str]:
-    """The query (with the last position read as its one parameter) and its placeholder."""
+def _statement(recorder: Any, after: int = 0) -> tuple[str, str]:
+    """The query (with the last position read as its one parameter) and its placeholder;
+    ``after``: only the positions after it, and those below 1 (a re-audit's)."""
     if isinstance(recorder, PostgresApplicationRecorder):
         table = f'"{recorder.datastore.schema}"."{recorder.events_table_name}"'
         position, placeholder = "notification_id", "%s"
@@ -35,17 +36,23 @@ def _statement(recorder: Any) -> tuple[str, str]:
         "|| CAST(originator_version AS TEXT) || ' ' || topic"
     )
     outside = concat.format(described)
+    where = "" if after < 1 else f" WHERE {position} < 1 OR {position} > {int(after)}"
     return (
-        f"SELECT count(*) FILTER (WHERE {position} >= 1 AND {position} <= {placeholder}) "
+        f"SELECT count(*) FILTER (WHERE {position} >= {max(1, int(after) + 1)} "
+        f"AND {position} <= {placeholder}) "
         f"AS in_log, count(*) FILTER (WHERE {position} < 1) AS hidden, "
-        f"{outside} FILTER (WHERE {position} < 1) AS outside FROM {table}"
+        f"{outside} FILTER (WHERE {position} < 1) AS outside FROM {table}{where}"
     ), placeholder
 
 
-def outside_log(recorder: Any, read: int, last: int) -> list[Violation]:
+def outside_log(
+    recorder: Any, read: int, last: int, after: int = 0, read_before: int = 0
+) -> list[Violation]:
     """Violations for events of the streams that the log reading (``read`` events,
-    positions up to ``last``) did not see."""
-    statement, _ = _statement(recorder)
+    positions up to ``last``) did not see. A re-audit from a fold state sealed at
+    position ``after`` (``read_before`` events read then) counts only the positions
+    after it: those before were counted when the state was sealed."""
+    statement, _ = _statement(recorder, after)
     with recorder.datastore.transaction(commit=False) as cursor:
         cursor.execute(statement, (last,))
         row = cursor.fetchone()
@@ -68,15 +75,15 @@ def outside_log(recorder: Any, read: int, last: int) -> list[Violation]:
         violations.append(
             Violation(0, "-", "-", RULE, f"{hidden - NAMED} more events stored below position 1")
         )
-    if in_log != read:
+    if in_log != read - read_before:
         violations.append(
             Violation(
                 last,
                 "-",
                 "-",
                 RULE,
-                f"the events table holds {in_log} events at positions 1 to {last}; "
-                f"the log reading saw {read}",
+                f"the events table holds {in_log + read_before} events at positions 1 to "
+                f"{last}; the log reading saw {read}",
             )
         )
     return violations

@@ -25,9 +25,11 @@ from secondbox_scheduler.domain.audit.chain import (
     Link,
 )
 from secondbox_scheduler.domain.audit.fold import AuditFold
+from secondbox_scheduler.domain.audit.merkle import MerkleRefold, leaf_data
 from secondbox_scheduler.domain.audit.state import Violation
 from secondbox_scheduler.domain.errors import InvalidRequestError
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.audit.fold_state import FoldState, ResumedSnapshotCheck
 from secondbox_scheduler.infrastructure.audit.log_fold import (
     PAGE,
     READ_PAGE,
@@ -35,6 +37,7 @@ from secondbox_scheduler.infrastructure.audit.log_fold import (
     event_after,
     printable_text,
 )
+from secondbox_scheduler.infrastructure.audit.merkle_checks import MerkleChecks, MerkleReport
 from secondbox_scheduler.infrastructure.audit.snapshot_check import SnapshotCheck
 from secondbox_scheduler.infrastructure.audit.streams import outside_log
 from secondbox_scheduler.infrastructure.store.chain_reads import chain_head, select_links
@@ -75,6 +78,8 @@ class AuditReport(RebuildReport):
     position: int = 0
     violations: list[Violation] = field(default_factory=list)
     chain: ChainReport = field(default_factory=ChainReport)
+    merkle: MerkleReport = field(default_factory=MerkleReport)
+    state: bytes | None = None  # the fold state sealed at the end (save_state=True)
 
     @property
     def ok(self) -> bool:
@@ -96,6 +101,7 @@ class AuditReport(RebuildReport):
             "position": self.position,
             "first_bad_position": self.first_bad_position,
             "chain": self.chain.to_dict(),
+            "merkle": self.merkle.to_dict(),
             "violations": [violation.to_dict() for violation in self.violations],
         }
 
@@ -128,20 +134,39 @@ def verify(
     progress: Callable[[int], None] = lambda _: None,
     measure_raw: bool = True,
     checkpoint: Checkpoint | bytes | None = None,
+    merkle: MerkleChecks | None = None,
+    save_state: bool = False,
 ) -> AuditReport:
     """Replay the log through the audit fold; every violation with its position and rule.
     On a chained store, every event is also checked against its link of the chain, every
-    stored snapshot against its seal and the events, and the log against ``checkpoint``."""
+    stored snapshot against its seal and the events, and the log against ``checkpoint``;
+    the Merkle tree is refolded from the log and compared with the stored one and with
+    ``merkle``'s signed checkpoints. With ``merkle.since`` (a fold state sealed at a
+    checkpoint, :mod:`.fold_state`), only the events after it are folded.
+    ``save_state``: the report's ``state`` is the fold state sealed at its end."""
+    merkle = merkle or MerkleChecks()
+    resume = merkle.resume(app)
     raw_seconds = 0.0
     if measure_raw:
         started = time.perf_counter()
-        read_raw(app, until=until if isinstance(until, int) else None)
+        read_raw(
+            app,
+            until=until if isinstance(until, int) else None,
+            after=0 if resume is None else resume.last,
+        )
         raw_seconds = time.perf_counter() - started
     started = time.perf_counter()
-    audit, chain = _checked_fold(app, until, progress, checkpoint)
+    audit, chain, state, refold = _checked_fold(
+        app, until, progress, checkpoint, merkle, resume, save_state
+    )
+    merkle_report = merkle.finish(app, refold, audit.position, resume)
+    audit.violations.extend(merkle.violations)
     seconds = time.perf_counter() - started
     violations = sorted(audit.violations, key=lambda v: v.position)
-    return AuditReport(audit.events, seconds, raw_seconds, audit.position, violations, chain)
+    events = audit.events - (0 if resume is None else resume.events_before)
+    return AuditReport(
+        events, seconds, raw_seconds, audit.position, violations, chain, merkle_report, state
+    )
 
 
 def _link_at(recorder: object, position: int) -> Link | None:
@@ -155,26 +180,46 @@ def _checked_fold(
     until: Until,
     progress: Callable[[int], None],
     checkpoint: Checkpoint | bytes | None,
-) -> tuple[AuditFold, ChainReport]:
-    """The audit fold over the log, with the chain checked position by position."""
+    merkle: MerkleChecks,
+    resume: FoldState | None,
+    save_state: bool,
+) -> tuple[AuditFold, ChainReport, bytes | None, MerkleRefold]:
+    """The audit fold over the log, with the chain checked position by position and
+    the Merkle tree refolded (from a fold state sealed at a checkpoint: ``resume``)."""
     recorder = app.recorder
     chained = isinstance(recorder, ChainedRecorder)
     verifier = ChainVerifier(app.chain, lookup=lambda at: _link_at(recorder, at))
+    snapshots: SnapshotCheck
+    if resume is None:
+        snapshots = SnapshotCheck(app)
+        audit = AuditFold(compact=True)
+        refold = MerkleRefold(merkle.watched())
+        violations: list[Violation] = []
+        read = last = 0
+    else:
+        resume.restore(verifier)
+        snapshots = ResumedSnapshotCheck(app, resume.last, resume.snapshots)
+        audit, refold, violations = resume.audit, resume.refold, resume.violations
+        read, last = resume.read, resume.last
+        refold.watched.update(dict.fromkeys(merkle.watched()))
     if checkpoint is not None:
         verifier.expect(checkpoint)
-    snapshots = SnapshotCheck(app)
-    audit = AuditFold(compact=True)
     audit.auditor_clock = app.now()  # no event is recorded later (rule time-order)
     decode = EventDecoder(app.mapper)
     stop = until if isinstance(until, int) else None
+    if save_state and merkle.stop is not None:
+        stop = merkle.stop if stop is None else min(stop, merkle.stop)
     after_time = until if isinstance(until, datetime) else None
-    violations: list[Violation] = []
-    read = 0
-    last = 0
+    state_bytes: bytes | None = None
     finished = False
     with gc_paused():
         pages = read_pages(
-            recorder, until=stop, page_size=READ_PAGE, first_page_size=PAGE, read_ahead=True
+            recorder,
+            after=last,
+            until=stop,
+            page_size=READ_PAGE,
+            first_page_size=PAGE,
+            read_ahead=True,
         )
         for page in pages:
             links = select_links(recorder, last, page[-1].id) if chained else []
@@ -201,15 +246,27 @@ def _checked_fold(
                 if after_time is not None and event is not None and event.timestamp > after_time:
                     finished = True
                     break
+                state: Any = notification.state
+                stored = state.encode() if isinstance(state, str) else bytes(state)
+                topic = str(notification.topic)
+                refold.add(
+                    position,
+                    leaf_data(
+                        position,
+                        notification.originator_id,
+                        notification.originator_version,
+                        topic,
+                        stored,
+                    ),
+                )
                 if chained:
-                    state: Any = notification.state
                     verifier.feed(
                         ChainedEvent(
                             position,
                             notification.originator_id,
                             notification.originator_version,
-                            str(notification.topic),
-                            state.encode() if isinstance(state, str) else bytes(state),
+                            topic,
+                            stored,
                         ),
                         link,
                     )
@@ -233,6 +290,12 @@ def _checked_fold(
             for link in links[index:]:
                 verifier.feed(None, link)
             last = page[-1].id
+        if save_state and not finished:
+            # the tree size it is sealed at: the signed checkpoint's, where it stopped
+            at = max(last, stop) if stop is not None and stop == merkle.stop else last
+            state_bytes = FoldState.capture(
+                audit, verifier, refold, violations, snapshots, read, at
+            )
         if chained and not finished:
             for link in select_links(recorder, last, stop):
                 verifier.feed(None, link)  # links after the last event: deleted, or strays
@@ -243,7 +306,9 @@ def _checked_fold(
             audit.finish(past)
         except Exception as error:  # pragma: no cover - a tampered history
             violations.append(Violation(last, "-", "-", "unfoldable", str(error)))
-    violations.extend(outside_log(recorder, read, last))  # the streams hold no other event
+    sealed_at, sealed_read = (0, 0) if resume is None else (resume.last, resume.read)
+    # the streams hold no other event
+    violations.extend(outside_log(recorder, read, last, sealed_at, sealed_read))
     # a cut by time is the cut by position at the last event read (snapshots past it wait)
     snapshots.finish(last if finished else stop, max(last, verifier.last_position))
     if chained and checkpoint is not None:
@@ -264,4 +329,4 @@ def _checked_fold(
         checkpoint=None if checkpoint is None else (
             checkpoint.hex() if isinstance(checkpoint, bytes) else str(checkpoint)),
     )  # fmt: skip
-    return audit, report
+    return audit, report, state_bytes, refold

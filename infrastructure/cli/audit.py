@@ -15,6 +15,19 @@ from rich.table import Table
 
 from secondbox_scheduler.domain.actors import describe_actor
 from secondbox_scheduler.infrastructure.cells.config import CELLS, load_cells
+from secondbox_scheduler.infrastructure.cli.audit_log import (
+    CHECK_PROOF_HELP,
+    KEYGEN_HELP,
+    PROVE_HELP,
+    WITNESS_HELP,
+    check_proof,
+    keygen,
+    prove,
+    signer_of,
+    verify_checks,
+    witness,
+    write_state,
+)
 from secondbox_scheduler.infrastructure.cli.cells import CellsFile, open_router
 from secondbox_scheduler.infrastructure.cli.common import (
     DatabaseUrl,
@@ -35,10 +48,11 @@ from secondbox_scheduler.infrastructure.cli.inspection import (
 )
 from secondbox_scheduler.infrastructure.cli.whatif import WHATIF_HELP, audit_whatif
 from secondbox_scheduler.infrastructure.exit_codes import EXIT_USAGE, CommandError
-from secondbox_scheduler.infrastructure.settings import DEFAULT_SQLITE_URL
+from secondbox_scheduler.infrastructure.settings import CHECKPOINT_KEY, DEFAULT_SQLITE_URL
 
 if TYPE_CHECKING:
-    from secondbox_scheduler.infrastructure.audit.verify import ChainReport
+    from secondbox_scheduler.infrastructure.audit.signed_notes import Signer
+    from secondbox_scheduler.infrastructure.audit.verify import AuditReport, ChainReport
 
 audit_cli = typer.Typer(
     help=(
@@ -92,9 +106,55 @@ def audit_verify(
         typer.Option(
             "--checkpoint",
             help=(
-                "Also fail unless the log still extends this checkpoint (POSITION:DIGEST as "
-                "`audit checkpoint` prints it, or the DIGEST alone): truncated, rewritten or "
-                "rolled back logs fail. Give the same SECONDBOX_AUDIT_KEY as when it was taken."
+                "Also fail unless the log still extends this checkpoint: POSITION:DIGEST as "
+                "`audit checkpoint` prints it, or the DIGEST alone (give the same "
+                "SECONDBOX_AUDIT_KEY as when it was taken), or a signed checkpoint FILE "
+                "(`audit checkpoint --sign-key`): the log's Merkle tree at its size must "
+                "have its root. Truncated, rewritten or rolled back logs fail."
+            ),
+        ),
+    ] = None,
+    log_key: Annotated[
+        str | None,
+        typer.Option(
+            "--log-key",
+            help="The log's verifier key: a signed checkpoint must carry its signature.",
+        ),
+    ] = None,
+    witness_keys: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--witness",
+            help=(
+                "A witness's verifier key: the signed checkpoint (--checkpoint FILE or "
+                "--since FILE) must be co-signed by it (repeat for several)."
+            ),
+        ),
+    ] = None,
+    since: Annotated[
+        str | None,
+        typer.Option(
+            "--since",
+            help=(
+                "Re-audit only the events after this signed checkpoint FILE: the log must "
+                "extend it (consistency proof), and the fold starts from the state sealed "
+                "at it (--since-state)."
+            ),
+        ),
+    ] = None,
+    since_state: Annotated[
+        str | None,
+        typer.Option(
+            "--since-state", help="The fold state sealed at the --since checkpoint (a FILE)."
+        ),
+    ] = None,
+    save_state: Annotated[
+        str | None,
+        typer.Option(
+            "--save-state",
+            help=(
+                "Write the fold state sealed where this verify ends to FILE, for a later "
+                "--since: at the signed --checkpoint FILE's size when one is given."
             ),
         ),
     ] = None,
@@ -102,15 +162,30 @@ def audit_verify(
     cells: CellsFile = None,
 ) -> None:
     from secondbox_scheduler.infrastructure.audit.log_fold import parse_until
-    from secondbox_scheduler.infrastructure.audit.verify import parse_checkpoint, verify
+    from secondbox_scheduler.infrastructure.audit.verify import verify
 
     if cells is not None:
+        if witness_keys or since is not None or since_state is not None or log_key:
+            raise typer.BadParameter(
+                "over cells, verify with --checkpoint FEDERATION only: the Merkle options "
+                "(--since, --since-state, --witness, --log-key) are for one cell's log",
+                param_hint="'--cells'",
+            )
         _verify_cells(cells, until, checkpoint, as_json)
         return
+    if witness_keys and checkpoint is None and since is None:
+        raise typer.BadParameter(
+            "--witness needs a signed checkpoint: --checkpoint FILE or --since FILE",
+            param_hint="'--witness'",
+        )
+    if (since is None) != (since_state is None):
+        raise typer.BadParameter(
+            "--since CHECKPOINT and --since-state FILE go together", param_hint="'--since'"
+        )
+    expected, merkle = verify_checks(checkpoint, log_key, witness_keys or [], since, since_state)
     with reported_errors(), store_errors(database_url):
         app = open_store(database_url, read_models=False)
         limit = parse_until(until)
-        expected = None if checkpoint is None else parse_checkpoint(checkpoint)
         total = app.event_count()
         with Progress(
             TextColumn("verifying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -118,9 +193,16 @@ def audit_verify(
         ) as bar:  # fmt: skip
             task = bar.add_task("verify", total=total)
             report = verify(
-                app, limit, progress=lambda n: bar.advance(task, n), checkpoint=expected
+                app,
+                limit,
+                progress=lambda n: bar.advance(task, n),
+                checkpoint=expected,
+                merkle=merkle,
+                save_state=save_state is not None,
             )
         app.close()
+    if save_state is not None:
+        write_state(save_state, report.state)
     if as_json:
         print_json(report.to_dict())
     else:
@@ -138,6 +220,7 @@ def audit_verify(
             f"read {report.raw_events_per_second:,.0f} events/s)"
         )
         console.print(chain_line(report.chain))
+        console.print(merkle_line(report, save_state))
     if not report.ok:
         raise typer.Exit(1)
 
@@ -183,6 +266,18 @@ def _verify_cells(cells: Path, until: str | None, checkpoint: str | None, as_jso
         raise typer.Exit(1)
 
 
+def merkle_line(report: AuditReport, save_state: str | None) -> str:
+    """One line on the Merkle tree: the head refolded, the stored tree, a re-audit."""
+    merkle = report.merkle
+    parts = [f"merkle: tree size {merkle.tree_size:,}, root {merkle.root_hash}"]
+    parts.append("stored tree checked" if merkle.stored_checked else "stored tree not checked")
+    if merkle.since is not None:
+        parts.append(f"re-audited from the checkpoint of tree size {merkle.since:,}")
+    if save_state is not None:
+        parts.append(f"fold state sealed at tree size {merkle.tree_size:,} in {save_state}")
+    return "; ".join(parts)
+
+
 def chain_line(chain: ChainReport) -> str:
     """One line on the chain: how much of the log it covers, the snapshots, the key."""
     if not chain.chained:
@@ -205,19 +300,41 @@ def chain_line(chain: ChainReport) -> str:
         "Print the head of the event chain: its position and digest (POSITION:DIGEST). Keep "
         "it elsewhere (a ticket, a log line, another system); `audit verify --checkpoint` "
         "later fails if the log no longer extends it. Keyed with SECONDBOX_AUDIT_KEY when "
-        "set.\n\n[bold]Examples[/bold]\n\n"
+        "set. With --sign-key (or SECONDBOX_CHECKPOINT_KEY): the signed checkpoint of the "
+        "log's Merkle tree instead (C2SP tlog-checkpoint: origin, tree size, base64 root, "
+        "a blank line, the signature line), for `audit prove`, `check-proof`, `witness` "
+        "and `verify --checkpoint FILE`.\n\n[bold]Examples[/bold]\n\n"
         "  secondbox-scheduler audit checkpoint\n"
+        "  secondbox-scheduler audit checkpoint --sign-key log.key > cp.txt\n"
         "  secondbox-scheduler audit checkpoint --json"
     ),
 )
 def audit_checkpoint(
     database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
+    sign_key: Annotated[
+        str | None,
+        typer.Option(
+            "--sign-key",
+            envvar=CHECKPOINT_KEY,
+            help="Sign the Merkle tree's checkpoint with this private key file (`audit keygen`).",
+        ),
+    ] = None,
+    origin: Annotated[
+        str | None,
+        typer.Option("--origin", help="The checkpoint's origin line (default: the key's name)."),
+    ] = None,
     as_json: JsonOutput = False,
     cells: CellsFile = None,
 ) -> None:
     from secondbox_scheduler.infrastructure.audit.verify import checkpoint
 
     if cells is not None:
+        if sign_key:
+            raise typer.BadParameter(
+                "a federation checkpoint is not signed: sign each cell's with "
+                "--database-url of the cell",
+                param_hint="'--sign-key'",
+            )
         from secondbox_scheduler.infrastructure.cells.federation import federation_checkpoint
 
         with reported_errors(), open_router(load_cells(cells), read_models=False) as router:
@@ -233,6 +350,11 @@ def audit_checkpoint(
             return
         stdout().print(str(federation), highlight=False, soft_wrap=True)
         return
+    if sign_key:
+        _signed_checkpoint(database_url, signer_of(sign_key), origin, as_json)
+        return
+    if origin is not None:
+        raise typer.BadParameter("--origin goes with --sign-key", param_hint="'--origin'")
     with reported_errors(), store_errors(database_url):
         app = open_store(database_url, read_models=False)
         head = checkpoint(app)
@@ -250,6 +372,28 @@ def audit_checkpoint(
         })  # fmt: skip
         return
     stdout().print(str(head), highlight=False)
+
+
+def _signed_checkpoint(
+    database_url: str, signer: Signer, origin: str | None, as_json: bool
+) -> None:
+    from secondbox_scheduler.infrastructure.audit.merkle_log import b64, signed_checkpoint
+
+    with reported_errors(), store_errors(database_url):
+        app = open_store(database_url, read_models=False)
+        try:
+            note, body = signed_checkpoint(app, signer, origin)
+        finally:
+            app.close()
+    if as_json:
+        print_json({
+            "checkpoint": str(note),
+            "origin": body.origin,
+            "tree_size": body.size,
+            "root_hash": b64(body.root),
+        })  # fmt: skip
+        return
+    typer.echo(str(note), nl=False)
 
 
 @audit_cli.command(
@@ -389,6 +533,10 @@ def audit_explain(
 
 
 audit_cli.command("whatif", help=WHATIF_HELP)(audit_whatif)
+audit_cli.command("keygen", help=KEYGEN_HELP)(keygen)
+audit_cli.command("prove", help=PROVE_HELP)(prove)
+audit_cli.command("check-proof", help=CHECK_PROOF_HELP)(check_proof)
+audit_cli.command("witness", help=WITNESS_HELP)(witness)
 
 
 def _one_sandbox(option: str | None, positional: str | None) -> str:

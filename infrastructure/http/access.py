@@ -106,6 +106,10 @@ ROUTE_ACCESS: Mapping[tuple[str, str], Access] = MappingProxyType(
         ("POST", f"{GENERATION}/reconcile"): CONTROL,
         ("GET", f"{SANDBOX}/explain"): READ,
         ("GET", f"{SANDBOX}/timeline"): READ,
+        # the log as a Merkle tree (audit routes: auditor, control-plane, admin)
+        ("GET", "/v1/audit/checkpoint"): READ,
+        ("GET", "/v1/audit/proofs/inclusion"): READ,
+        ("GET", "/v1/audit/proofs/consistency"): READ,
         # lists and the event feed (infrastructure/http/lists.py, events.py)
         ("GET", "/v1/sandboxes"): READ,
         ("GET", "/v1/assignments"): READ,

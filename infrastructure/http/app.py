@@ -14,6 +14,7 @@ from __future__ import annotations
 from fastapi import Depends, FastAPI
 from prometheus_client import CollectorRegistry
 
+import secondbox_scheduler.infrastructure.http.audit_log as audit_log
 import secondbox_scheduler.infrastructure.http.events as events
 import secondbox_scheduler.infrastructure.http.health as health
 import secondbox_scheduler.infrastructure.http.lists as lists
@@ -156,6 +157,7 @@ def _create_app(
     app.include_router(sandboxes.router)
     app.include_router(health.router)
     app.include_router(tokens.router)
+    app.include_router(audit_log.router)
     app.add_middleware(  # who calls (401); the dependency `authorize`: whether they may (403)
         Authentication,
         tokens=token_cache,

@@ -15,6 +15,7 @@ from fastapi import Depends, Path, Query, Request
 from pydantic import BaseModel
 from starlette.responses import Response
 
+from secondbox_scheduler.domain.errors import InvalidRequestError
 from secondbox_scheduler.domain.limits import MAX_NAME_LENGTH
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.cells.router import CellRouter
@@ -42,6 +43,33 @@ def sandbox_application(app: Served, sandbox_id: str) -> SchedulerApplication:
 def runner_application(app: Served, runner_id: str) -> SchedulerApplication:
     """The application that holds ``runner_id`` (over cells: its cell's)."""
     return app if isinstance(app, SchedulerApplication) else app.runner_application(runner_id)
+
+
+CellName = Annotated[
+    str | None,
+    Query(
+        min_length=1,
+        max_length=MAX_NAME_LENGTH,
+        description="The cell whose log to read (required when the service serves "
+        "several cells: each has its own log, positions and Merkle tree).",
+    ),
+]
+
+
+def cell_log(app: Served, cell: str | None) -> SchedulerApplication:
+    """The application whose log a route reads: over several cells ``cell`` names one
+    (required there; an unknown name is refused naming ``cell``); one cell or one
+    store: that one (``cell``, if given, must be its name)."""
+    if isinstance(app, SchedulerApplication):
+        return app
+    names = list(app.names)
+    if cell is None and len(names) == 1:
+        cell = names[0]
+    if cell not in names:
+        raise InvalidRequestError(
+            "cell", f"must name the cell whose log to read: one of {', '.join(names)}", cell
+        )
+    return app.application(cell)
 
 
 def tokens_application(app: Served) -> SchedulerApplication:

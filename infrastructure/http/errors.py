@@ -86,6 +86,7 @@ from secondbox_scheduler.infrastructure.access.errors import (
     PermissionDeniedError,
     UnauthenticatedError,
 )
+from secondbox_scheduler.infrastructure.audit.merkle_log import CheckpointKeyMissingError
 from secondbox_scheduler.infrastructure.metrics import refusal_reasons
 from secondbox_scheduler.infrastructure.store.cell_unavailable import CellUnavailableError
 from secondbox_scheduler.infrastructure.store.startup import StoreUnavailableError
@@ -107,6 +108,7 @@ STATUS_AND_CODE: dict[type[BaseException], tuple[int, str]] = {
     UnauthenticatedError: (401, "unauthorized"),
     PermissionDeniedError: (403, "forbidden"),
     NotFoundError: (404, "not_found"),
+    CheckpointKeyMissingError: (404, "no_checkpoint_key"),
     StaleFenceError: (409, "stale_fence"),
     AlreadyExistsError: (409, "already_exists"),
     CapacityExceededError: (409, "capacity_exceeded"),

@@ -34,7 +34,6 @@ from starlette.responses import Response, StreamingResponse
 
 from secondbox_scheduler.domain.errors import InvalidRequestError
 from secondbox_scheduler.domain.limits import MAX_ITEMS, MAX_NAME_LENGTH
-from secondbox_scheduler.infrastructure.cells.router import CellRouter
 from secondbox_scheduler.infrastructure.feed.reading import (
     MAX_LIMIT,
     MAX_POSITION,
@@ -44,7 +43,7 @@ from secondbox_scheduler.infrastructure.feed.reading import (
     read_feed,
 )
 from secondbox_scheduler.infrastructure.feed.wire import event_json
-from secondbox_scheduler.infrastructure.http.common import Scheduler, respond
+from secondbox_scheduler.infrastructure.http.common import CellName, Scheduler, cell_log, respond
 from secondbox_scheduler.infrastructure.http.errors import ERROR_RESPONSES
 
 router = APIRouter(prefix="/v1/events", tags=["events"], responses=ERROR_RESPONSES)
@@ -104,15 +103,6 @@ Types = Annotated[
     ),
 ]
 Name = Annotated[str | None, Query(min_length=1, max_length=MAX_NAME_LENGTH)]
-CellName = Annotated[
-    str | None,
-    Query(
-        min_length=1,
-        max_length=MAX_NAME_LENGTH,
-        description="The cell whose log to follow (required when the service serves "
-        "several cells: each has its own log and positions).",
-    ),
-]
 
 
 def _filter(
@@ -124,22 +114,6 @@ def _filter(
 def _granted(request: Request, name: str, default: float, asked: float) -> float:
     maximum = getattr(request.app.state, name, default)
     return max(0.0, min(float(asked), float(maximum)))
-
-
-def _feed_of(app: Any, cell: str | None) -> Any:
-    """The application whose log is followed: over several cells each has its own log
-    and positions, so ``cell`` names one (required there, refused unknown); one cell or
-    one store: that one (``cell``, if given, must be its name)."""
-    if not isinstance(app, CellRouter):
-        return app
-    names = list(app.names)
-    if cell is None and len(names) == 1:
-        cell = names[0]
-    if cell not in names:
-        raise InvalidRequestError(
-            "cell", f"must name the cell whose log to follow: one of {', '.join(names)}", cell
-        )
-    return app.application(cell)
 
 
 async def _next_page(
@@ -186,7 +160,7 @@ async def list_events(
 ) -> Response:
     """The events after ``after``, in log order, filtered, at most ``limit``; continue
     with ``after=next``. With ``wait``, an empty page waits for the first new event."""
-    app = _feed_of(app, cell)
+    app = cell_log(app, cell)
     feed_filter = _filter(types, sandbox_id, runner_id, pool_name)
     granted = _granted(request, "feed_max_wait_seconds", MAX_WAIT_SECONDS, wait)
     page = await _next_page(app, after, limit, feed_filter, granted)
@@ -260,7 +234,7 @@ async def stream_events(
     cell: CellName = None,
 ) -> Response:
     """Every event after the position, in log order, filtered, as it is written."""
-    app = _feed_of(app, cell)
+    app = cell_log(app, cell)
     feed_filter = _filter(types, sandbox_id, runner_id, pool_name)
     resumed = _last_event_id(last_event_id)
     start = after if resumed is None else resumed

@@ -55,6 +55,11 @@ from secondbox_scheduler.infrastructure.store.keyed_append import (
     insert_function_statement,
     link_function,
 )
+from secondbox_scheduler.infrastructure.store.merkle_tables import (
+    extend_function,
+    postgres_create_statements,
+    tree_table,
+)
 from secondbox_scheduler.infrastructure.store.postgres_chain_sql import (
     compiled,
     insert_unnested,
@@ -121,6 +126,12 @@ class ChainedPostgresRecorder(SavesInServer, ChainedRecorder, PostgresApplicatio
         self.sql_create_statements.append(
             insert_function_statement(schema, events, chain, function, insert, self.channel_name)
         )  # <events>_link is created with the snapshots (:mod:`.sealed_postgres`)
+        # the Merkle tree (derived from the log; :mod:`.merkle_tree`)
+        self.check_identifier_length(tree_table(events_table_name))
+        self.check_identifier_length(extend_function(events_table_name))
+        self.sql_create_statements.extend(
+            postgres_create_statements(datastore.schema, events_table_name)
+        )
         self.insert_statement = compiled(
             SQL(
                 "SELECT * FROM {}.{}(%b::uuid[], %b::bigint[], %b::text[], %b::bytea[], %s)"

@@ -18,6 +18,7 @@ from secondbox_scheduler.infrastructure.store.chain_tables import (
     as_link,
     chain_table,
 )
+from secondbox_scheduler.infrastructure.store.merkle_tables import sqlite_create_statement
 
 
 class ChainedSQLiteRecorder(ChainedRecorder, SQLiteApplicationRecorder):
@@ -37,6 +38,7 @@ class ChainedSQLiteRecorder(ChainedRecorder, SQLiteApplicationRecorder):
             f"CREATE TABLE IF NOT EXISTS {chain_table(self.events_table_name)} ("
             "position INTEGER PRIMARY KEY, previous INTEGER NOT NULL, digest BLOB NOT NULL)"
         )
+        statements.append(sqlite_create_statement(self.events_table_name))  # merkle_tree.py
         return statements
 
     def _insert_events(

@@ -38,19 +38,24 @@ from secondbox_scheduler.infrastructure.store.keyed_append import (
     INSERT_ARGUMENTS,
     LINK_ARGUMENTS,
 )
+from secondbox_scheduler.infrastructure.store.merkle_tables import EXTEND_ARGUMENTS
 from secondbox_scheduler.infrastructure.store.server_append import (
     APPEND_ARGUMENTS,
     APPEND_WITH_SNAPSHOTS_ARGUMENTS,
 )
 
-HISTORY = ("events", "events_chain", "snapshots", "snapshots_seal")  # the suffixes
+HISTORY = ("events", "events_chain", "events_merkle", "snapshots", "snapshots_seal")
 PREFIX = "schedulerapplication_"
 SAVE_FUNCTIONS = (  # (name suffix, signature): the saves the application role may call
     ("events_append", APPEND_ARGUMENTS),
     ("events_append_with_snapshots", APPEND_WITH_SNAPSHOTS_ARGUMENTS),
     ("events_insert", INSERT_ARGUMENTS),
     ("events_link", LINK_ARGUMENTS),
+    ("events_merkle_extend", EXTEND_ARGUMENTS),  # the tree, computed from the log alone
 )
+# (name suffix, signature): what the audit role may call besides reading: the tree's
+# update computes it from the log and writes nothing else (merkle_tree.py)
+AUDIT_FUNCTIONS = (("events_merkle_extend", EXTEND_ARGUMENTS),)
 DEFAULT_IDLE_IN_TRANSACTION_SECONDS = 30
 
 
@@ -94,11 +99,7 @@ def grant_statements(
     ]
     for suffix, arguments in SAVE_FUNCTIONS:
         function = PREFIX + suffix
-        if connection.execute(
-            "SELECT 1 FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
-            "WHERE n.nspname = %s AND p.proname = %s",
-            (schema, function),
-        ).fetchone():
+        if _has_function(connection, schema, function):
             signature = SQL("{}.{}(" + arguments + ")").format(s, Identifier(function))
             statements += [
                 SQL("REVOKE ALL ON FUNCTION {} FROM PUBLIC").format(signature),
@@ -130,6 +131,11 @@ def grant_statements(
             SQL("GRANT USAGE ON SCHEMA {} TO {}").format(s, a),
             SQL("GRANT SELECT ON ALL TABLES IN SCHEMA {} TO {}").format(s, a),
         ]
+        for suffix, arguments in AUDIT_FUNCTIONS:
+            function = PREFIX + suffix
+            if _has_function(connection, schema, function):
+                signature = SQL("{}.{}(" + arguments + ")").format(s, Identifier(function))
+                statements.append(SQL("GRANT EXECUTE ON FUNCTION {} TO {}").format(signature, a))
     database = Identifier(str(connection.info.dbname))
     idle = Literal(f"{int(idle_in_transaction_timeout * 1000)}ms")
     for role in (r for r in (application, projector, auditor) if r):
@@ -139,6 +145,16 @@ def grant_statements(
             )
         )
     return statements
+
+
+def _has_function(connection: Connection[tuple[object, ...]], schema: str, name: str) -> bool:
+    return bool(
+        connection.execute(
+            "SELECT 1 FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
+            "WHERE n.nspname = %s AND p.proname = %s",
+            (schema, name),
+        ).fetchone()
+    )
 
 
 def grant(

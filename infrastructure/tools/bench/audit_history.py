@@ -174,15 +174,17 @@ def steady_history(
     runners: int = 50,
     sandboxes: int = 1000,
     progress: Callable[[str], None] = lambda _: None,
+    prefix: str = "steady",
 ) -> int:
-    """Grow the log to at least ``events`` events with a steady fleet; the events written."""
+    """Grow the log to at least ``events`` events with a steady fleet; the events written.
+    ``prefix`` names the fleet's pool and sandboxes (another prefix: another fleet)."""
     start = app.event_count()
-    pool = "audit-steady"
+    pool = f"audit-{prefix}"
     fleet = roomy_fleet(pool, runners, instances=sandboxes)
     at = datetime.now(UTC)
     snapshots = register_fleet(app, fleet, at)
     homes = list(snapshots.values())
-    sandbox_ids = [f"steady-{index:06d}" for index in range(sandboxes)]
+    sandbox_ids = [f"{prefix}-{index:06d}" for index in range(sandboxes)]
     requirements = bench_requirements(pool)
     create_homed_sandboxes(
         app, [(s, homes[i % len(homes)]) for i, s in enumerate(sandbox_ids)], requirements, at

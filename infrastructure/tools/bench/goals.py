@@ -20,6 +20,8 @@ GOAL_BATCHED_P99_MS = 50.0
 GOAL_WHATIF = 0.5  # x the audit verify rate, on the same history
 GOAL_AUDIT_MEMORY = 2.0  # audit verify peak memory, longest steady log over shortest
 GOAL_AUDIT_RESERVATIONS = 10_000.0  # audit verify events/s, one runner, 6,000 reservations
+GOAL_MERKLE_SHARE = 0.10  # the tree's upkeep over the batched placement time
+GOAL_SINCE_SPEEDUP = 20.0  # full audit verify over --since of 1% new events
 
 
 def _goal(target: str, value: float | None, met: bool | None, detail: str) -> dict[str, Any]:
@@ -240,4 +242,36 @@ def evaluate_goals(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
         )
     else:
         goals["audit_reservations"] = _skipped(target)
+    _merkle_goals(report, goals)
     return goals
+
+
+def _merkle_goals(report: dict[str, Any], goals: dict[str, dict[str, Any]]) -> None:
+    merkle = report.get("merkle")
+    target = f"the Merkle tree's upkeep <= {GOAL_MERKLE_SHARE:.0%} of batched placement time"
+    if merkle:
+        goals["merkle_upkeep"] = _goal(
+            target,
+            merkle["lazy_share"],
+            merkle["lazy_share"] <= GOAL_MERKLE_SHARE,
+            f"{merkle['events']:,} events of {merkle['placement']['placed']:,} placements in "
+            f"{merkle['placement']['seconds']:.1f}s: the tree over them in one update (as "
+            f"kept: lazily) {merkle['lazy_seconds']:.3f}s ({merkle['lazy_share']:.1%}); kept "
+            f"every {merkle['chunk_events']} events it would take "
+            f"{merkle['eager_seconds']:.3f}s ({merkle['eager_share']:.1%})",
+        )
+    else:
+        goals["merkle_upkeep"] = _skipped(target)
+    since = report.get("since")
+    target = f"audit verify --since of 1% new events >= {GOAL_SINCE_SPEEDUP:g} x a full verify"
+    if since and since["speedup"] is not None:
+        goals["since_reaudit"] = _goal(
+            target,
+            since["speedup"],
+            since["speedup"] >= GOAL_SINCE_SPEEDUP and since["same_findings"],
+            f"{since['new_events']:,} new events after tree size {since['checkpoint_size']:,}: "
+            f"{since['since_seconds']:.3f}s vs {since['full_seconds']:.3f}s for all "
+            f"{since['events']:,}; same findings: {since['same_findings']}",
+        )
+    else:
+        goals["since_reaudit"] = _skipped(target)

@@ -269,6 +269,46 @@ def audit_scale_table(report: dict[str, Any]) -> Table | None:
     return table
 
 
+def merkle_table(report: dict[str, Any]) -> Table | None:
+    """The Merkle tree's upkeep over a batched run's events, and the --since re-audit."""
+    merkle, since = report.get("merkle"), report.get("since")
+    if not merkle and not since:
+        return None
+    table = Table(title="Merkle tree and incremental re-audit", box=box.SIMPLE)
+    for column in ("measurement", "events", "seconds", "share or speedup"):
+        table.add_column(column, justify="left" if column == "measurement" else "right")
+    if merkle:
+        table.add_row(
+            f"batched placement ({merkle['placement']['placed']:,} placements)",
+            f"{merkle['events']:,}",
+            f"{merkle['placement']['seconds']:.2f}",
+            "",
+        )
+        table.add_row(
+            f"tree kept every {merkle['chunk_events']} events",
+            f"{merkle['events']:,}",
+            f"{merkle['eager_seconds']:.3f}",
+            f"{merkle['eager_share']:.1%}",
+        )
+        table.add_row(
+            "tree in one update (lazy)",
+            f"{merkle['events']:,}",
+            f"{merkle['lazy_seconds']:.3f}",
+            f"{merkle['lazy_share']:.1%}",
+        )
+    if since:
+        table.add_row("audit verify (whole log)", f"{since['events']:,}",
+                      f"{since['full_seconds']:.3f}", "")  # fmt: skip
+        speedup = "-" if since["speedup"] is None else f"{since['speedup']:g}x"
+        table.add_row(
+            f"audit verify --since tree size {since['checkpoint_size']:,}",
+            f"{since['new_events']:,}",
+            f"{since['since_seconds']:.3f}",
+            speedup,
+        )
+    return table
+
+
 def goals_table(report: dict[str, Any]) -> Table:
     table = Table(title="Goals", box=box.SIMPLE)
     for column in ("goal", "target", "measured", "verdict", "figures"):
@@ -301,6 +341,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         generations_table(report),
         replay_table(report),
         audit_scale_table(report),
+        merkle_table(report),
         goals_table(report),
     ):
         if table is not None:

@@ -20,6 +20,7 @@ from secondbox_scheduler.infrastructure.tools.bench.database import (
 from secondbox_scheduler.infrastructure.tools.bench.errors import BenchError
 from secondbox_scheduler.infrastructure.tools.bench.goals import GOAL_BATCHED, evaluate_goals
 from secondbox_scheduler.infrastructure.tools.bench.history import measure_history_section
+from secondbox_scheduler.infrastructure.tools.bench.merkle import measure_merkle, measure_since
 from secondbox_scheduler.infrastructure.tools.bench.over_http import measure_http
 from secondbox_scheduler.infrastructure.tools.bench.replay import measure_replay
 from secondbox_scheduler.infrastructure.tools.bench.selection import measure_selection
@@ -81,7 +82,7 @@ def run_bench(
         RawBaseline(env=raw_env(env)).close()
         try:
             needs_workers = bool(
-                wanted & {"raw", "placement", "contention", "batched", "row_lock", "http"}
+                wanted & {"raw", "placement", "contention", "batched", "row_lock", "http", "merkle"}
             )
             with WorkerPool(settings.workers if needs_workers else 1) as pool:
                 rate = DEFAULT_RATE
@@ -116,6 +117,8 @@ def run_bench(
                     )  # fmt: skip
                 if "row_lock" in wanted:
                     report["row_lock"] = measure_row_lock(pool, env, settings, progress)
+                if "merkle" in wanted:
+                    report["merkle"] = measure_merkle(pool, app, env, settings, rate, progress)
                 if "http" in wanted:
                     if "placement" in report:
                         rate = report["placement"]["per_second"] or rate
@@ -131,6 +134,8 @@ def run_bench(
             report["history"] = measure_history_section(env, settings, progress)
         if "audit" in wanted:
             report["audit_scale"] = measure_audit_scale(settings, progress)
+        if "since" in wanted:
+            report["since"] = measure_since(settings, progress)
     report["goals"] = evaluate_goals(report)
     report["wall_seconds"] = round(time.perf_counter() - started, 1)
     return report

@@ -18,6 +18,8 @@ SECTIONS = (
     "history",
     "replay",
     "audit",
+    "merkle",
+    "since",
 )
 
 Progress = Callable[[str], None]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from typing import Any
 
 from psycopg.conninfo import make_conninfo
@@ -94,6 +95,7 @@ def measure_placement(
     threads: int = 1,
     pool_name: str = "place",
     offered_per_second: float | None = None,
+    before_run: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
     """Placements over a roomy pool: ``threads`` concurrent callers per worker (1: one
     call at a time, so every batch holds one request; more: the batcher groups them).
@@ -127,6 +129,7 @@ def measure_placement(
         for ids in _spread(list(homes), settings.workers)
     ]
     progress(f"{pool_name}: settling the database ({settle(env)})")
+    before_run()  # the runners and sandboxes are written: the placements come next
     results = pool.run(jobs)
     summary = summarize(results)
     summary["runners"] = settings.runners
