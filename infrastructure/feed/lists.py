@@ -15,7 +15,9 @@ on none.
 
 ``limit`` is the items per page (default 100; more than 1,000 is served as 1,000); a
 page also ends after :data:`SCAN_BUDGET` creations read, so a narrow filter's pages
-may be short, even empty, with a ``next`` all the same. ``next`` is None after the
+may be short, even empty, with a ``next`` all the same; and after
+:data:`POSITION_WINDOW` positions of the log, so that no page's query reads the whole
+log looking for creations that are rare in it. ``next`` is None after the
 last page. A cursor is opaque text, valid for its own list only; anything else is
 refused (``InvalidRequestError`` on ``cursor``).
 
@@ -63,6 +65,7 @@ if TYPE_CHECKING:
     from secondbox_scheduler.infrastructure.application import SchedulerApplication
 
 SCAN_BUDGET = 10_000  # creations one page reads at most
+POSITION_WINDOW = 1_000_000  # log positions one page covers at most
 READ_PAGE = 1000
 SANDBOXES, ASSIGNMENTS, RUNNERS = "sandboxes", "assignments", "runners"
 DRAIN_PHASES = (DRAIN_PHASE_ACTIVE, DRAIN_PHASE_DRAINING)
@@ -146,13 +149,15 @@ def _page(
     topics = topics_of(creation)
     decoder = EventDecoder(app.mapper)
     decode = decoder if extract is None else partial(extract, decoder)
+    head = app.recorder.max_notification_id() or 0  # before the reads: all up to it are in
+    end = max(position, min(position + POSITION_WINDOW, head))  # this page: (position, end]
     found: list[T] = []
     scanned = 0
-    while scanned < scan_budget:
+    while position < end:
         size = min(READ_PAGE, scan_budget - scanned)
         if not narrow:  # every creation is an item: read no more than the page needs
             size = min(size, wanted - len(found))
-        notifications = select_page(app.recorder, position, None, topics, size)
+        notifications = select_page(app.recorder, position, end, topics, size)
         events = [decode(n) for n in notifications]
         for notification, item in zip(notifications, resolve(events), strict=True):
             scanned += 1
@@ -162,9 +167,11 @@ def _page(
             found.append(item)
             if len(found) == wanted:
                 return Page(found, cursor_text(kind, position))
-        if len(notifications) < size:
-            return Page(found, None)
-    return Page(found, cursor_text(kind, position))
+        if len(notifications) < size:  # every position up to ``end`` is read
+            break
+        if scanned >= scan_budget:
+            return Page(found, cursor_text(kind, position))
+    return Page(found, cursor_text(kind, end) if end < head else None)
 
 
 def list_sandboxes(
