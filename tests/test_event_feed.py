@@ -311,3 +311,28 @@ def test_a_long_poll_answers_with_the_first_new_event(
         writer.join()
     assert [e["type"] for e in page["events"]] == ["Runner.DrainStarted"]
     assert page["next"] == head + 1
+
+
+def test_a_page_covers_a_bounded_window_of_positions_and_next_goes_on(
+    app: SchedulerApplication, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rare type's page never reads the whole log: it ends after the window, empty if
+    need be, with a next that goes on; paging to the head still gives every match once."""
+    monkeypatch.setattr(reading, "POSITION_WINDOW", 4)
+    for index in range(4):
+        register(app, f"r{index}", at=clock())  # 3 events each: 12 positions
+    app.start_drain("r3")
+    wanted = FeedFilter(types=("Runner.DrainStarted",))
+    first = read_feed(app, 0, 10, wanted)
+    assert (first.events, first.next, first.more) == ([], 4, True)
+    found, after, pages = [], 0, 0
+    while True:
+        page = read_feed(app, after, 10, wanted)
+        found += [item.type for item in page.events]
+        assert page.next > after or not page.more
+        after, pages = page.next, pages + 1
+        if not page.more:
+            break
+    assert found == ["Runner.DrainStarted"]
+    assert after == app.head_position() == 13
+    assert pages == 4

@@ -251,3 +251,16 @@ def test_the_command_line_pages_the_lists_and_prints_the_feed(tmp_path: Path, cl
     assert positions == sorted(positions)
     assert len(positions) == len(set(positions))
     assert _cli("events", *db, "--type", "Nope.Never").exit_code == 2
+
+
+def test_a_page_covers_a_bounded_window_of_the_log(
+    app: SchedulerApplication, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lists, "POSITION_WINDOW", 5)
+    for index in range(3):
+        register(app, f"r{index}", at=clock())  # Registered at 1, 4, 7 of 9 positions
+    page = lists.list_runners(app, limit=10)
+    assert [runner.id for runner in page.items] == ["r0", "r1"]  # positions 1 to 5
+    assert page.next == lists.cursor_text(lists.RUNNERS, 5)
+    rest = lists.list_runners(app, limit=10, cursor=page.next)
+    assert ([runner.id for runner in rest.items], rest.next) == (["r2"], None)

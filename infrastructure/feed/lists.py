@@ -15,7 +15,9 @@ on none.
 
 ``limit`` is the items per page (default 100; more than 1,000 is served as 1,000); a
 page also ends after :data:`SCAN_BUDGET` creations read, so a narrow filter's pages
-may be short, even empty, with a ``next`` all the same. ``next`` is None after the
+may be short, even empty, with a ``next`` all the same; and after
+:data:`POSITION_WINDOW` positions of the log, so that no page's query reads the whole
+log looking for creations that are rare in it. ``next`` is None after the
 last page. A cursor is opaque text, valid for its own list only; anything else is
 refused (``InvalidRequestError`` on ``cursor``).
 
@@ -31,7 +33,15 @@ import binascii
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from eventsourcing.persistence import Notification
+
+try:
+    from orjson import loads as _loads
+except ImportError:  # without the [fast] extra
+    from json import loads as _loads  # type: ignore[assignment]
 
 from secondbox_scheduler.domain.assignment import STATES
 from secondbox_scheduler.domain.errors import InvalidRequestError, NotFoundError
@@ -55,6 +65,7 @@ if TYPE_CHECKING:
     from secondbox_scheduler.infrastructure.application import SchedulerApplication
 
 SCAN_BUDGET = 10_000  # creations one page reads at most
+POSITION_WINDOW = 1_000_000  # log positions one page covers at most
 READ_PAGE = 1000
 SANDBOXES, ASSIGNMENTS, RUNNERS = "sandboxes", "assignments", "runners"
 DRAIN_PHASES = (DRAIN_PHASE_ACTIVE, DRAIN_PHASE_DRAINING)
@@ -128,20 +139,25 @@ def _page(
     resolve: Callable[[list[Any]], list[T | None]],
     scan_budget: int,
     narrow: bool,
+    extract: Callable[[EventDecoder, Notification], Any] | None = None,
 ) -> Page[T]:
     """Read creations after the cursor, resolve them a read page at a time into items
-    (None: not listed), and stop at ``limit`` items or the scan budget."""
+    (None: not listed), and stop at ``limit`` items or the scan budget. ``extract``:
+    what ``resolve`` gets of each creation (by default the decoded event)."""
     position = cursor_position(kind, cursor)
     wanted = page_limit(limit)
     topics = topics_of(creation)
-    decode = EventDecoder(app.mapper)
+    decoder = EventDecoder(app.mapper)
+    decode = decoder if extract is None else partial(extract, decoder)
+    head = app.recorder.max_notification_id() or 0  # before the reads: all up to it are in
+    end = max(position, min(position + POSITION_WINDOW, head))  # this page: (position, end]
     found: list[T] = []
     scanned = 0
-    while scanned < scan_budget:
+    while position < end:
         size = min(READ_PAGE, scan_budget - scanned)
         if not narrow:  # every creation is an item: read no more than the page needs
             size = min(size, wanted - len(found))
-        notifications = select_page(app.recorder, position, None, topics, size)
+        notifications = select_page(app.recorder, position, end, topics, size)
         events = [decode(n) for n in notifications]
         for notification, item in zip(notifications, resolve(events), strict=True):
             scanned += 1
@@ -151,9 +167,11 @@ def _page(
             found.append(item)
             if len(found) == wanted:
                 return Page(found, cursor_text(kind, position))
-        if len(notifications) < size:
-            return Page(found, None)
-    return Page(found, cursor_text(kind, position))
+        if len(notifications) < size:  # every position up to ``end`` is read
+            break
+        if scanned >= scan_budget:
+            return Page(found, cursor_text(kind, position))
+    return Page(found, cursor_text(kind, end) if end < head else None)
 
 
 def list_sandboxes(
@@ -213,15 +231,14 @@ def list_assignments(
         raise InvalidRequestError("state", f"must be one of {', '.join(STATES)}")
     _names(runner_id=runner_id, sandbox_id=sandbox_id)
 
-    def resolve(events: list[Any]) -> list[DurableAssignment | None]:
+    def resolve(fenced: list[tuple[str, int, str]]) -> list[DurableAssignment | None]:
         keys = [
-            (event.assignment["sandbox_id"], event.assignment["generation"])
-            if (runner_id is None or event.assignment["runner_id"] == runner_id)
-            and (sandbox_id is None or event.assignment["sandbox_id"] == sandbox_id)
+            (sandbox, generation)
+            if runner_id in (None, runner) and sandbox_id in (None, sandbox)
             else None
-            for event in events
+            for sandbox, generation, runner in fenced
         ]
-        current = _assignments_now(app, [key for key in keys if key is not None])
+        current = _assignments_now(app, [key for key in keys if key is not None], state)
         found: list[DurableAssignment | None] = []
         for key in keys:
             assignment = None if key is None else current.get(key)
@@ -233,8 +250,33 @@ def list_assignments(
 
     narrow = (state, runner_id, sandbox_id) != (None, None, None)
     return _page(
-        app, ASSIGNMENTS, Sandbox.AssignmentFenced, cursor, limit, resolve, scan_budget, narrow
-    )
+        app, ASSIGNMENTS, Sandbox.AssignmentFenced, cursor, limit, resolve, scan_budget, narrow,
+        _fenced_key,
+    )  # fmt: skip
+
+
+def _fenced_key(decode: EventDecoder, notification: Notification) -> tuple[str, int, str]:
+    """The sandbox, generation and runner of a ``Sandbox.AssignmentFenced``: read from
+    its stored JSON when the store keeps plain JSON (no cipher or compressor), without
+    decoding its placement evidence (most of the event, and of the time a list of them
+    took); else from the decoded event. The three fields are the same in every version
+    of the event (its upcasts change others)."""
+    mapper = decode.mapper
+    if not getattr(mapper, "cipher", None) and not getattr(mapper, "compressor", None):
+        try:
+            record = _loads(notification.state)["assignment"]
+            found = (record["sandbox_id"], record["generation"], record["runner_id"])
+        except (ValueError, KeyError, TypeError):
+            found = None
+        if (
+            found is not None
+            and type(found[0]) is str
+            and type(found[1]) is int
+            and type(found[2]) is str
+        ):
+            return found
+    record = decode(notification).assignment
+    return (record["sandbox_id"], record["generation"], record["runner_id"])
 
 
 def list_runners(
@@ -283,13 +325,15 @@ def _marks(count: int) -> str:
 
 
 def _assignments_now(
-    app: SchedulerApplication, keys: Sequence[tuple[str, int]]
+    app: SchedulerApplication, keys: Sequence[tuple[str, int]], state: str | None = None
 ) -> dict[tuple[str, int], DurableAssignment]:
-    """The assignments of ``keys`` as they are now: from the read model (one query),
-    those it lacks folded from their sandbox."""
+    """The assignments of ``keys`` as they are now (those in ``state``, if given): from
+    the read model (one query; only the rows in the state are decoded), those it lacks
+    folded from their sandbox."""
     found: dict[tuple[str, int], DurableAssignment] = {}
     if not keys:
         return found
+    held: set[tuple[str, int]] = set()  # in the read model, in another state
     read_models = app.current_read_models()
     if read_models is not None:
         sandboxes = sorted({sandbox for sandbox, _ in keys})
@@ -299,10 +343,14 @@ def _assignments_now(
         wanted = set(keys)
         for row in rows:
             key = (row["sandbox_id"], int(row["generation"]))
-            if key in wanted:
+            if key not in wanted:
+                continue
+            if state is None or row["state"] == state:
                 found[key] = row_to_assignment(row)
+            else:
+                held.add(key)
     for key in keys:
-        if key not in found:
+        if key not in found and key not in held:
             assignment = app.get_assignment(*key)
             if assignment is not None:
                 found[key] = assignment

@@ -4,10 +4,11 @@ A page starts after a position (``after``; 0: the log's start) and holds the eve
 of the positions that follow, in log order, those that match the filter
 (:class:`FeedFilter`: event types, sandbox, runner, pool). Its ``next`` is the position
 to ask after next time: the last event's when the page is full; when the log ran out
-first, the head of the log as read before the page (every position up to it was
-scanned), so that a filtered follower moves on past what it does not want; when the
-page's scan budget (:data:`SCAN_BUDGET` positions) ran out first, the last position
-scanned. Positions only grow and are never reused: on PostgreSQL every insert
+first, the end of what the page covered: the head of the log as read before the page,
+or :data:`POSITION_WINDOW` positions after ``after`` if that is less (every position up
+to it was read), so that a filtered follower moves on past what it does not want; when
+the page's budget of :data:`SCAN_BUDGET` decoded events ran out first, the last position
+decoded. Positions only grow and are never reused: on PostgreSQL every insert
 takes the events table's lock, so that notification ids commit in order, and on SQLite
 there is one writer; a reader that has read up to a position never later finds a new
 event at or before it. A follower that keeps ``next`` and asks after it therefore
@@ -42,7 +43,8 @@ from secondbox_scheduler.projections.notification_reader import select_page
 
 DEFAULT_LIMIT = 100  # events per page unless asked
 MAX_LIMIT = 1000  # events per page at most: a larger limit is served as this
-SCAN_BUDGET = 10_000  # positions one page reads at most (a narrow filter's page ends early)
+SCAN_BUDGET = 10_000  # events one page decodes at most (a narrow filter's page ends early)
+POSITION_WINDOW = 100_000  # positions one page covers at most (a rare type's page too)
 READ_PAGE = 1000  # notifications per query
 MAX_POSITION = 2**63 - 1
 POLL_SECONDS = 0.2  # how often a caught-up follower looks for new events
@@ -162,20 +164,23 @@ def read_feed(
     scan_budget: int = SCAN_BUDGET,
 ) -> FeedPage:
     """The events after position ``after`` that ``feed_filter`` lets through, at most
-    ``limit`` (default 100, at most 1,000), in log order; see the module's docstring."""
+    ``limit`` (default 100, at most 1,000), in log order; see the module's docstring.
+    One page covers at most :data:`POSITION_WINDOW` positions and decodes at most
+    ``scan_budget`` events, so that no filter makes a request long."""
     after = check_after(after)
     wanted = page_limit(limit)
     reader = _reader(app)
     head = app.recorder.max_notification_id() or 0  # before the reads: all up to it are in
+    end = max(after, min(after + POSITION_WINDOW, head))  # this page covers (after, end]
     topics = feed_filter.topics
     found: list[FeedEvent] = []
     position = after
     scanned = 0
-    while scanned < scan_budget:
+    while position < end:
         size = min(READ_PAGE, scan_budget - scanned)
         if not feed_filter.narrows:
             size = min(size, wanted - len(found))
-        notifications = select_page(app.recorder, position, None, topics, size)
+        notifications = select_page(app.recorder, position, end, topics, size)
         for notification in notifications:
             scanned += 1
             position = notification.id
@@ -184,9 +189,11 @@ def read_feed(
                 found.append(item)
                 if len(found) == wanted:
                     return FeedPage(found, position, head, True)
-        if len(notifications) < size:  # the log ran out: every position up to head is read
-            return FeedPage(found, max(position, min(head, MAX_POSITION)), head, False)
-    return FeedPage(found, position, head, True)
+        if len(notifications) < size:  # every position up to ``end`` is read
+            break
+        if scanned >= scan_budget:
+            return FeedPage(found, position, head, True)
+    return FeedPage(found, end, head, end < head)
 
 
 def _feed_event(reader: _Reader, notification: Notification) -> FeedEvent:
