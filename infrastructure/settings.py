@@ -4,6 +4,13 @@
 ``postgresql://user:pass@host:port/db[?schema=name]`` become the eventsourcing
 settings (``PERSISTENCE_MODULE``, ``SQLITE_DBNAME``, ``POSTGRES_*``). Explicit
 eventsourcing settings given next to a URL win over what the URL implies.
+
+A PostgreSQL URL may name several hosts, as libpq's do:
+``postgresql://user@host1:5432,host2:5433/db?target_session_attrs=read-write`` (a cell
+whose primary may move: docs/operations.md, "Failover"). The hosts and ports become
+comma-separated ``POSTGRES_HOST`` and ``POSTGRES_PORT`` (libpq tries them in order) and
+``target_session_attrs`` (``any``, ``read-write`` or ``primary``: a scheduler writes)
+``POSTGRES_TARGET_SESSION_ATTRS``, which every connection of the store passes on.
 """
 
 from __future__ import annotations
@@ -58,7 +65,14 @@ POSTGRES_SETTINGS = (
     "POSTGRES_DBNAME",
     "POSTGRES_SCHEMA",
     "POSTGRES_CONNECT_TIMEOUT",
+    "POSTGRES_TARGET_SESSION_ATTRS",
 )
+# The libpq target_session_attrs a scheduler's store may ask for (it writes: no standby).
+TARGET_SESSION_ATTRS = ("any", "read-write", "primary")
+# The name of the cell this application's store is (docs/operations.md, "Cells"), named
+# by CellUnavailableError; "default" when unset.
+CELL = "SECONDBOX_CELL"
+DEFAULT_CELL = "default"
 
 
 def clock_tolerance(value: str | None) -> timedelta:
@@ -147,23 +161,57 @@ def settings_from_url(url: str) -> dict[str, str]:
             raise InvalidRequestError(
                 DATABASE_URL, "postgresql URL needs a database: postgresql://host/db"
             )
+        userinfo, _, hostlist = parts.netloc.rpartition("@")
+        username, _, password = userinfo.partition(":")
+        hosts, ports = postgres_hosts(hostlist)
         settings = {
             "PERSISTENCE_MODULE": POSTGRES_MODULE,
             "POSTGRES_DBNAME": dbname,
-            "POSTGRES_HOST": unquote(parts.hostname or "127.0.0.1"),
-            "POSTGRES_PORT": str(parts.port or 5432),
-            "POSTGRES_USER": unquote(parts.username or "postgres"),
-            "POSTGRES_PASSWORD": unquote(parts.password or ""),
+            "POSTGRES_HOST": hosts,
+            "POSTGRES_PORT": ports,
+            "POSTGRES_USER": unquote(username or "postgres"),
+            "POSTGRES_PASSWORD": unquote(password),
         }
-        schema = parse_qs(parts.query).get("schema")
+        query = parse_qs(parts.query)
+        schema = query.get("schema")
         if schema:
             settings["POSTGRES_SCHEMA"] = schema[0]
+        attrs = query.get("target_session_attrs")
+        if attrs:
+            if attrs[0] not in TARGET_SESSION_ATTRS:
+                raise InvalidRequestError(
+                    DATABASE_URL,
+                    f"target_session_attrs must be one of {', '.join(TARGET_SESSION_ATTRS)} "
+                    "(the scheduler writes)",
+                    attrs[0],
+                )
+            settings["POSTGRES_TARGET_SESSION_ATTRS"] = attrs[0]
         return settings
     raise InvalidRequestError(
         DATABASE_URL,
         "must start with sqlite:/// or postgresql:// "
         f"(got {scheme + '://' if scheme else redact_url(url)!r})",
     )
+
+
+def postgres_hosts(hostlist: str) -> tuple[str, str]:
+    """``host1:5432,[::1]:5433,host3`` -> (``host1,::1,host3``, ``5432,5433,5432``): the
+    hosts and ports of a (multi-host) PostgreSQL URL, as libpq takes them."""
+    hosts: list[str] = []
+    ports: list[str] = []
+    for item in hostlist.split(",") if hostlist else [""]:
+        if item.startswith("["):
+            host, _, rest = item[1:].partition("]")
+            port = rest[1:] if rest.startswith(":") else rest
+        else:
+            host, _, port = item.partition(":")
+        if port and not (port.isdigit() and 0 < int(port) < 65536):
+            raise InvalidRequestError(
+                DATABASE_URL, "a port must be a number from 1 to 65535", redact_url(hostlist)
+            )
+        hosts.append(unquote(host) or "127.0.0.1")
+        ports.append(str(int(port)) if port else "5432")
+    return ",".join(hosts), ",".join(ports)
 
 
 def persistence_env(env: Mapping[str, str]) -> dict[str, str]:
