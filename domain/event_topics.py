@@ -20,6 +20,7 @@ from eventsourcing.domain import Aggregate, DomainEvent
 from eventsourcing.utils import get_topic, register_topic
 
 import secondbox_scheduler.domain.access_tokens as access_tokens
+import secondbox_scheduler.domain.cell_claims as cell_claims
 import secondbox_scheduler.domain.fencing_tokens as fencing_tokens
 import secondbox_scheduler.domain.lease as lease
 import secondbox_scheduler.domain.refusals as refusals
@@ -29,7 +30,7 @@ import secondbox_scheduler.domain.sandbox as sandbox
 PACKAGE = "secondbox_scheduler."
 # The modules that define stored classes (aggregates and their events).
 EVENT_MODULES: tuple[ModuleType, ...] = (
-    runner, lease, sandbox, refusals, fencing_tokens, access_tokens,
+    runner, lease, sandbox, refusals, fencing_tokens, access_tokens, cell_claims,
 )  # fmt: skip
 # Release by release, how each module that existed then was named (0.1: top-level layers).
 FORMER_MODULE_NAMES: tuple[dict[str, str], ...] = (

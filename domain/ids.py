@@ -42,3 +42,8 @@ def fencing_token_uuid(sandbox_id: str, token_sha256: str) -> UUID:
 def access_tokens_uuid() -> UUID:
     """The one stream of the service's access tokens (domain/access_tokens.py)."""
     return uuid5(NAMESPACE, "access-tokens")
+
+
+def cell_claim_uuid(kind: str, subject_id: str) -> UUID:
+    """The stream that names the cell of one runner or sandbox id (domain/cell_claims.py)."""
+    return uuid5(NAMESPACE, f"cell-claim:{kind}:{subject_id}")

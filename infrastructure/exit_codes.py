@@ -31,6 +31,7 @@ from eventsourcing.persistence import PersistenceError
 
 from secondbox_scheduler.domain.errors import InvalidRequestError, SchedulerError
 from secondbox_scheduler.infrastructure.extras import MissingExtraError
+from secondbox_scheduler.infrastructure.store.cell_unavailable import CellUnavailableError
 from secondbox_scheduler.infrastructure.store.startup import StoreUnavailableError
 from secondbox_scheduler.projections.read_models import ReadModelAheadError
 
@@ -68,7 +69,10 @@ def exit_code_of(error: BaseException) -> int | None:
         return error.exit_code
     if isinstance(error, (InvalidRequestError, MissingExtraError)):
         return EXIT_USAGE
-    if isinstance(error, (StoreUnavailableError, PersistenceError, ReadModelAheadError)):
+    if isinstance(
+        error,
+        (StoreUnavailableError, CellUnavailableError, PersistenceError, ReadModelAheadError),
+    ):
         return EXIT_STORE_UNAVAILABLE
     if isinstance(error, SchedulerError):
         return EXIT_REFUSED

@@ -20,7 +20,7 @@ DISTRIBUTION = "secondbox-scheduler"
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "fast": ("orjson",),
     "cli": ("typer", "rich"),
-    "server": ("fastapi", "starlette", "uvicorn", "prometheus_client"),
+    "server": ("fastapi", "starlette", "uvicorn", "anyio", "prometheus_client"),
     "bench": ("httpx",),
     "yaml": ("yaml",),
     "testing": ("hypothesis",),

@@ -4,13 +4,6 @@
 ``postgresql://user:pass@host:port/db[?schema=name]`` become the eventsourcing
 settings (``PERSISTENCE_MODULE``, ``SQLITE_DBNAME``, ``POSTGRES_*``). Explicit
 eventsourcing settings given next to a URL win over what the URL implies.
-
-A PostgreSQL URL may name several hosts, as libpq's do:
-``postgresql://user@host1:5432,host2:5433/db?target_session_attrs=read-write`` (a cell
-whose primary may move: docs/operations.md, "Failover"). The hosts and ports become
-comma-separated ``POSTGRES_HOST`` and ``POSTGRES_PORT`` (libpq tries them in order) and
-``target_session_attrs`` (``any``, ``read-write`` or ``primary``: a scheduler writes)
-``POSTGRES_TARGET_SESSION_ATTRS``, which every connection of the store passes on.
 """
 
 from __future__ import annotations
@@ -67,12 +60,16 @@ POSTGRES_SETTINGS = (
     "POSTGRES_CONNECT_TIMEOUT",
     "POSTGRES_TARGET_SESSION_ATTRS",
 )
-# The libpq target_session_attrs a scheduler's store may ask for (it writes: no standby).
-TARGET_SESSION_ATTRS = ("any", "read-write", "primary")
+# libpq's target_session_attrs (a multi-host URL's ``?target_session_attrs=read-write``):
+# which of the URL's hosts a connection may settle on.
+TARGET_SESSION_ATTRS = "POSTGRES_TARGET_SESSION_ATTRS"
 # The name of the cell this application's store is (docs/operations.md, "Cells"), named
-# by CellUnavailableError; "default" when unset.
+# by the CellUnavailableError of its reconnection (store/reconnect.py); "default" unset.
 CELL = "SECONDBOX_CELL"
 DEFAULT_CELL = "default"
+TARGET_SESSION_ATTRS_VALUES = (
+    "any", "read-write", "read-only", "primary", "standby", "prefer-standby",
+)  # fmt: skip
 
 
 def clock_tolerance(value: str | None) -> timedelta:
@@ -161,16 +158,14 @@ def settings_from_url(url: str) -> dict[str, str]:
             raise InvalidRequestError(
                 DATABASE_URL, "postgresql URL needs a database: postgresql://host/db"
             )
-        userinfo, _, hostlist = parts.netloc.rpartition("@")
-        username, _, password = userinfo.partition(":")
-        hosts, ports = postgres_hosts(hostlist)
+        user, password, hosts, ports = _postgres_netloc(parts.netloc)
         settings = {
             "PERSISTENCE_MODULE": POSTGRES_MODULE,
             "POSTGRES_DBNAME": dbname,
             "POSTGRES_HOST": hosts,
             "POSTGRES_PORT": ports,
-            "POSTGRES_USER": unquote(username or "postgres"),
-            "POSTGRES_PASSWORD": unquote(password),
+            "POSTGRES_USER": user or "postgres",
+            "POSTGRES_PASSWORD": password,
         }
         query = parse_qs(parts.query)
         schema = query.get("schema")
@@ -178,14 +173,13 @@ def settings_from_url(url: str) -> dict[str, str]:
             settings["POSTGRES_SCHEMA"] = schema[0]
         attrs = query.get("target_session_attrs")
         if attrs:
-            if attrs[0] not in TARGET_SESSION_ATTRS:
+            if attrs[0] not in TARGET_SESSION_ATTRS_VALUES:
                 raise InvalidRequestError(
                     DATABASE_URL,
-                    f"target_session_attrs must be one of {', '.join(TARGET_SESSION_ATTRS)} "
-                    "(the scheduler writes)",
+                    "target_session_attrs must be one of " + ", ".join(TARGET_SESSION_ATTRS_VALUES),
                     attrs[0],
                 )
-            settings["POSTGRES_TARGET_SESSION_ATTRS"] = attrs[0]
+            settings[TARGET_SESSION_ATTRS] = attrs[0]
         return settings
     raise InvalidRequestError(
         DATABASE_URL,
@@ -194,24 +188,26 @@ def settings_from_url(url: str) -> dict[str, str]:
     )
 
 
-def postgres_hosts(hostlist: str) -> tuple[str, str]:
-    """``host1:5432,[::1]:5433,host3`` -> (``host1,::1,host3``, ``5432,5433,5432``): the
-    hosts and ports of a (multi-host) PostgreSQL URL, as libpq takes them."""
+def _postgres_netloc(netloc: str) -> tuple[str, str, str, str]:
+    """User, password, hosts and ports of a libpq URL's authority, which may name several
+    hosts (``user:pw@h1:5432,h2:5433``, ``[::1]:5432``): hosts and ports joined by commas,
+    as libpq takes them (a host without a port gets 5432)."""
+    userinfo, _, hostlist = netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
     hosts: list[str] = []
     ports: list[str] = []
-    for item in hostlist.split(",") if hostlist else [""]:
-        if item.startswith("["):
-            host, _, rest = item[1:].partition("]")
-            port = rest[1:] if rest.startswith(":") else rest
-        else:
-            host, _, port = item.partition(":")
+    for entry in hostlist.split(",") if hostlist else [""]:
+        host, port = entry, ""
+        if entry.startswith("["):
+            host, _, rest = entry[1:].partition("]")
+            port = rest.removeprefix(":")
+        elif ":" in entry:
+            host, _, port = entry.rpartition(":")
         if port and not (port.isdigit() and 0 < int(port) < 65536):
-            raise InvalidRequestError(
-                DATABASE_URL, "a port must be a number from 1 to 65535", redact_url(hostlist)
-            )
+            raise InvalidRequestError(DATABASE_URL, "a port must be a number from 1 to 65535")
         hosts.append(unquote(host) or "127.0.0.1")
-        ports.append(str(int(port)) if port else "5432")
-    return ",".join(hosts), ",".join(ports)
+        ports.append(port or "5432")
+    return unquote(user), unquote(password), ",".join(hosts), ",".join(ports)
 
 
 def persistence_env(env: Mapping[str, str]) -> dict[str, str]:

@@ -15,6 +15,7 @@ from typing import Any
 
 from secondbox_scheduler.domain.access_tokens import ACCESS_TOKEN_EVENTS
 from secondbox_scheduler.domain.assignment import STATE_RELEASED, STATE_RUNNING, STATE_UNCERTAIN
+from secondbox_scheduler.domain.cell_claims import CELL_CLAIM_EVENTS
 from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
 from secondbox_scheduler.domain.lease import RunnerLease
 from secondbox_scheduler.domain.refusals import RefusalLog
@@ -184,6 +185,7 @@ class AssignmentsProjection(SqlProjection[AssignmentsView]):
             "the token is in the row from Sandbox.AssignmentFenced; its index changes no row"
         ),
         **dict.fromkeys(ACCESS_TOKEN_EVENTS, "an access token makes or changes no assignment"),
+        **dict.fromkeys(CELL_CLAIM_EVENTS, "a cell claim makes or changes no assignment"),
     }
 
     @singledispatchmethod

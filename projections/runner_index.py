@@ -20,6 +20,7 @@ from uuid import UUID
 from eventsourcing.persistence import ApplicationRecorder, Mapper, Notification
 
 from secondbox_scheduler.domain.access_tokens import ACCESS_TOKEN_EVENTS
+from secondbox_scheduler.domain.cell_claims import CELL_CLAIM_EVENTS
 from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
 from secondbox_scheduler.domain.lease import RunnerLease
 from secondbox_scheduler.domain.refusals import RefusalLog
@@ -76,6 +77,7 @@ class RunnerIndex:
         ),
         FencingTokenUse.Used: "the index of fencing tokens used adds or removes no runner",
         **dict.fromkeys(ACCESS_TOKEN_EVENTS, "an access token adds or removes no runner"),
+        **dict.fromkeys(CELL_CLAIM_EVENTS, "a cell claim adds or removes no runner"),
     }
 
     @classmethod

@@ -14,6 +14,7 @@ from functools import singledispatchmethod
 from typing import Any, ClassVar
 
 from secondbox_scheduler.domain.access_tokens import ACCESS_TOKEN_EVENTS
+from secondbox_scheduler.domain.cell_claims import CELL_CLAIM_EVENTS
 from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
 from secondbox_scheduler.domain.ids import lease_uuid
 from secondbox_scheduler.domain.lease import RunnerLease, materialization_snapshots
@@ -177,6 +178,7 @@ class RunnerSnapshotsProjection(SqlProjection[RunnerSnapshotsView]):
             ACCESS_TOKEN_EVENTS,
             "an access token changes no runner (a runner token names runner ids only)",
         ),
+        **dict.fromkeys(CELL_CLAIM_EVENTS, "a cell claim changes no runner"),
     }
 
     @singledispatchmethod

@@ -19,4 +19,5 @@ echo "== ruff"
 echo "== mypy --strict"
 .venv/bin/mypy
 echo "== pytest"
-exec .venv/bin/pytest "$@"
+# one worker per core (PYTEST_WORKERS=0: in this process); the slowest tests listed
+exec .venv/bin/pytest -n "${PYTEST_WORKERS:-auto}" --durations=20 "$@"

@@ -107,9 +107,14 @@ class ThrowawayCluster:
             self.prefix = ["runuser", "-u", "postgres", "--"]
             shutil.chown(self.directory, "postgres")
         self._run([initdb, "-D", str(self.data), "-U", "postgres", "-A", "trust"])
+        self.start()
+        self.server = PostgresServer("127.0.0.1", self.port, "postgres", "", "postgres")
+
+    def start(self) -> None:
+        """Start the cluster (again, after :meth:`halt`), waiting until it accepts."""
         self._run(
             [
-                pg_ctl,
+                self.pg_ctl,
                 "-D",
                 str(self.data),
                 "-l",
@@ -120,7 +125,11 @@ class ThrowawayCluster:
                 "start",
             ]
         )
-        self.server = PostgresServer("127.0.0.1", self.port, "postgres", "", "postgres")
+
+    def halt(self) -> None:
+        """Stop the server at once (``-m immediate``), keeping its data: :meth:`start`
+        starts it again on the same port."""
+        self._run([self.pg_ctl, "-D", str(self.data), "-m", "immediate", "stop"])
 
     def _run(self, command: list[str]) -> None:
         subprocess.run(self.prefix + command, check=True, capture_output=True)
@@ -128,5 +137,7 @@ class ThrowawayCluster:
     def stop(self) -> None:
         try:
             self._run([self.pg_ctl, "-D", str(self.data), "-m", "immediate", "stop"])
+        except subprocess.CalledProcessError:
+            pass  # already halted
         finally:
             shutil.rmtree(self.directory, ignore_errors=True)

@@ -19,6 +19,7 @@ from eventsourcing.utils import get_topic
 from secondbox_scheduler.domain.access_tokens import AccessTokens
 from secondbox_scheduler.domain.audit.fold import AuditFold
 from secondbox_scheduler.domain.audit.state import Violation
+from secondbox_scheduler.domain.cell_claims import CellClaim
 from secondbox_scheduler.domain.event_catalogue import event_classes, event_name, unaccounted
 from secondbox_scheduler.domain.refusals import RefusalLog
 from secondbox_scheduler.domain.sandbox import Sandbox, assignment_history
@@ -58,7 +59,8 @@ def whole_history() -> EventLog:
     """A clean history, made by the real aggregates, with an event of every class of the
     catalogue: two runners (one deregistered) with their leases, two sandboxes placed,
     one run, reconciled uncertain, released and advanced, the other redelivered past its
-    deadline then failed for good, a refusal, and an access token issued and revoked."""
+    deadline then failed for good, a refusal, an access token issued and revoked, and a
+    runner's cell claim moved to another cell."""
     log = EventLog()
     runner, lease = new_runner("r1", allocatable=slots(3)), new_lease("r1")
     log.save(runner, lease)
@@ -113,6 +115,9 @@ def whole_history() -> EventLog:
     )  # fmt: skip
     tokens.revoke("0123456789ab", LATER)
     log.save(tokens)
+    claim = CellClaim.claim(kind="runner", subject_id="r2", cell="a", at=LATER)
+    claim.move("b", LATER)
+    log.save(claim)
     return log
 
 

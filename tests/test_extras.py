@@ -57,7 +57,7 @@ def test_the_help_needs_no_extra(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_what_each_extra_needs() -> None:
     assert extras.modules_of("bench") == (
-        "typer", "rich", "fastapi", "starlette", "uvicorn", "prometheus_client", "httpx",
+        "typer", "rich", "fastapi", "starlette", "uvicorn", "anyio", "prometheus_client", "httpx",
     )  # fmt: skip
     assert set(extras.modules_of("all")) == {
         module for modules in extras.EXTRA_MODULES.values() for module in modules

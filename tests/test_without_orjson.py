@@ -45,9 +45,9 @@ def history(url: str, clock: Clock) -> dict[str, object]:
 
 def state(app: SchedulerApplication) -> dict[str, object]:
     return {
-        "runner": app.fold_runner("r1").model_dump(mode="json"),
-        "assignments": [a.model_dump(mode="json") for a in app.fold_assignments("s1")],
-        "read_model": [r.model_dump(mode="json") for r in app.runner_snapshots()],
+        "runner": app.fold_runner("r1").model_dump(),
+        "assignments": [a.model_dump() for a in app.fold_assignments("s1")],
+        "read_model": [r.model_dump() for r in app.runner_snapshots()],
     }
 
 

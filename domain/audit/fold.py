@@ -41,6 +41,7 @@ from secondbox_scheduler.domain.audit.log_times import LogTimes
 from secondbox_scheduler.domain.audit.runner_checks import RunnerChecks
 from secondbox_scheduler.domain.audit.sandbox_checks import SandboxChecks
 from secondbox_scheduler.domain.audit.state import WANTED, Pending, Violation
+from secondbox_scheduler.domain.cell_claims import CELL_CLAIM_EVENTS
 from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
 from secondbox_scheduler.domain.lease import RunnerLease
 from secondbox_scheduler.domain.refusals import RefusalLog
@@ -91,6 +92,11 @@ class AuditFold(RunnerChecks, SandboxChecks, LogTimes):
                 "access tokens decide who may call the service, not capacity or authority "
                 "over a sandbox: no invariant reads them (the log's time order, stream "
                 "versions and chain are checked for them as for every event)",
+            ),
+            **dict.fromkeys(
+                CELL_CLAIM_EVENTS,
+                "a cell claim names the cell that holds an id (the id directory of several "
+                "cells): it reserves nothing and fences nothing",
             ),
         }
     )

@@ -34,6 +34,7 @@ from uuid import UUID
 from eventsourcing.utils import get_topic
 
 from secondbox_scheduler.domain.access_tokens import ACCESS_TOKEN_EVENTS
+from secondbox_scheduler.domain.cell_claims import CELL_CLAIM_EVENTS
 from secondbox_scheduler.domain.errors import InvalidRequestError
 from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse
 from secondbox_scheduler.domain.lease import RunnerLease, materialization_snapshots
@@ -88,6 +89,9 @@ class WhatIf:
         ),
         **dict.fromkeys(
             ACCESS_TOKEN_EVENTS, "who may call the service changes no placement: nothing to replay"
+        ),
+        **dict.fromkeys(
+            CELL_CLAIM_EVENTS, "which cell holds an id changes no placement: nothing to replay"
         ),
     }
 

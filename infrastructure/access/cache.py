@@ -30,6 +30,7 @@ from secondbox_scheduler.domain.access_tokens import AccessTokens
 from secondbox_scheduler.domain.errors import InvalidRequestError
 from secondbox_scheduler.domain.ids import access_tokens_uuid
 from secondbox_scheduler.infrastructure.access.tokens import load_tokens
+from secondbox_scheduler.infrastructure.store.cell_unavailable import CellUnavailableError
 from secondbox_scheduler.infrastructure.store.startup import StoreUnavailableError
 
 TOKEN_REFRESH_SECONDS = "SECONDBOX_TOKEN_REFRESH_SECONDS"
@@ -94,7 +95,7 @@ class TokenCache:
             if not self.fresh():
                 try:
                     self._read()
-                except (PersistenceError, StoreUnavailableError) as error:
+                except (PersistenceError, StoreUnavailableError, CellUnavailableError) as error:
                     if not self._read_once:
                         raise
                     log.warning("access tokens not read again (kept as read): %s", error)

@@ -24,6 +24,7 @@ import typer
 
 from secondbox_scheduler.domain.errors import SchedulerError
 from secondbox_scheduler.infrastructure.acting import acting_as, command_line_actor
+from secondbox_scheduler.infrastructure.cells.config import CELLS
 from secondbox_scheduler.infrastructure.cli import (
     audit,
     bench,
@@ -36,6 +37,7 @@ from secondbox_scheduler.infrastructure.cli import (
     simulate,
     tokens,
 )
+from secondbox_scheduler.infrastructure.cli.cells import CELL_COMMANDS, CellsFile
 from secondbox_scheduler.infrastructure.cli.common import say_error, shown
 from secondbox_scheduler.infrastructure.exit_codes import (
     EXIT_INTERNAL,
@@ -90,8 +92,20 @@ def _root(
             help="Print the version and exit.",
         ),
     ] = False,
+    cells: CellsFile = None,
 ) -> None:
     """The options of the command line itself (see --help)."""
+    if cells is not None:
+        # ``--cells`` before the command: the command's own option reads it from there
+        os.environ[CELLS] = str(cells)
+        if context.invoked_subcommand not in CELL_COMMANDS:
+            say_error(
+                shown(
+                    f"{context.invoked_subcommand} acts on one store: give --database-url of "
+                    f"one cell, not a cells file ({cells}; unset {CELLS})"
+                )
+            )
+            raise typer.Exit(EXIT_USAGE)
     # every command's events record `cli` and the OS user (docs/events.md, "The actor")
     context.with_resource(acting_as(command_line_actor()))
 

@@ -3,6 +3,8 @@ the events (``whatif``'s options and report are in :mod:`.whatif`)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -12,6 +14,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from secondbox_scheduler.domain.actors import describe_actor
+from secondbox_scheduler.infrastructure.cells.config import CELLS, load_cells
+from secondbox_scheduler.infrastructure.cli.cells import CellsFile, open_router
 from secondbox_scheduler.infrastructure.cli.common import (
     DatabaseUrl,
     JsonOutput,
@@ -19,6 +23,7 @@ from secondbox_scheduler.infrastructure.cli.common import (
     open_store,
     print_json,
     reported_errors,
+    say_error,
     shown,
     stdout,
     store_errors,
@@ -29,6 +34,7 @@ from secondbox_scheduler.infrastructure.cli.inspection import (
     runner_table,
 )
 from secondbox_scheduler.infrastructure.cli.whatif import WHATIF_HELP, audit_whatif
+from secondbox_scheduler.infrastructure.exit_codes import EXIT_USAGE, CommandError
 from secondbox_scheduler.infrastructure.settings import DEFAULT_SQLITE_URL
 
 if TYPE_CHECKING:
@@ -42,6 +48,23 @@ audit_cli = typer.Typer(
     ),
     no_args_is_help=True,
 )
+CELL_AUDITS = frozenset({"verify", "checkpoint"})  # the audits over every cell
+
+
+@audit_cli.callback()
+def _audit(context: typer.Context) -> None:
+    """The audit commands (a cells file only for verify and checkpoint)."""
+    cells = os.environ.get(CELLS)
+    if cells and context.invoked_subcommand not in CELL_AUDITS:
+        say_error(
+            shown(
+                f"audit {context.invoked_subcommand} acts on one store: give --database-url "
+                f"of one cell, not a cells file ({cells}; unset {CELLS})"
+            )
+        )
+        raise typer.Exit(EXIT_USAGE)
+
+
 UntilOption = Annotated[
     str | None,
     typer.Option(
@@ -76,10 +99,14 @@ def audit_verify(
         ),
     ] = None,
     as_json: JsonOutput = False,
+    cells: CellsFile = None,
 ) -> None:
     from secondbox_scheduler.infrastructure.audit.log_fold import parse_until
     from secondbox_scheduler.infrastructure.audit.verify import parse_checkpoint, verify
 
+    if cells is not None:
+        _verify_cells(cells, until, checkpoint, as_json)
+        return
     with reported_errors(), store_errors(database_url):
         app = open_store(database_url, read_models=False)
         limit = parse_until(until)
@@ -115,6 +142,47 @@ def audit_verify(
         raise typer.Exit(1)
 
 
+def _verify_cells(cells: Path, until: str | None, checkpoint: str | None, as_json: bool) -> None:
+    """``audit verify --cells``: every cell's audit, against its entry of a federation
+    checkpoint; exit 1 if any cell fails."""
+    from secondbox_scheduler.infrastructure.cells.federation import (
+        FederationCheckpoint,
+        verify_cells,
+    )
+
+    with reported_errors():
+        if until is not None:
+            raise CommandError("audit verify --cells checks whole logs: --until is for one cell")
+        expected = None if checkpoint is None else FederationCheckpoint.parse(checkpoint)
+        with open_router(load_cells(cells), read_models=False) as router:
+            reports = verify_cells(router, expected)
+    ok = all(report.ok for report in reports.values())
+    if as_json:
+        print_json({
+            "ok": ok,
+            "cells": {name: report.to_dict() for name, report in reports.items()},
+        })  # fmt: skip
+    else:
+        console = stdout()
+        for name, report in reports.items():
+            for violation in report.violations:
+                console.print(f"[red]violation[/red] cell {shown(name)}: {shown(str(violation))}")
+            verdict = (
+                "[green]OK[/green]"
+                if report.ok
+                else f"[red]{len(report.violations)} violation(s)[/red]"
+            )
+            console.print(
+                f"cell {shown(name)}: {verdict}: {report.events:,} events checked up to "
+                f"position {report.position:,}; {chain_line(report.chain)}"
+            )
+        console.print(
+            f"{len(reports)} cell(s): " + ("[green]OK[/green]" if ok else "[red]FAILED[/red]")
+        )
+    if not ok:
+        raise typer.Exit(1)
+
+
 def chain_line(chain: ChainReport) -> str:
     """One line on the chain: how much of the log it covers, the snapshots, the key."""
     if not chain.chained:
@@ -145,9 +213,26 @@ def chain_line(chain: ChainReport) -> str:
 def audit_checkpoint(
     database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
     as_json: JsonOutput = False,
+    cells: CellsFile = None,
 ) -> None:
     from secondbox_scheduler.infrastructure.audit.verify import checkpoint
 
+    if cells is not None:
+        from secondbox_scheduler.infrastructure.cells.federation import federation_checkpoint
+
+        with reported_errors(), open_router(load_cells(cells), read_models=False) as router:
+            federation = federation_checkpoint(router)
+        if as_json:
+            print_json({
+                "checkpoint": str(federation),
+                "cells": {
+                    name: None if head is None else str(head)
+                    for name, head in federation.cells.items()
+                },
+            })  # fmt: skip
+            return
+        stdout().print(str(federation), highlight=False, soft_wrap=True)
+        return
     with reported_errors(), store_errors(database_url):
         app = open_store(database_url, read_models=False)
         head = checkpoint(app)

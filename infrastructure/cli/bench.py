@@ -122,10 +122,26 @@ def bench(
             ),
         ),
     ] = None,
+    cells: Annotated[
+        int | None,
+        typer.Option(
+            "--cells",
+            min=2,
+            max=16,
+            help=(
+                "Instead of the sections: batched placements through cell routers over 1 "
+                "and N cells (a fresh database each on the local server), with the CPU "
+                "per placement of the scheduler processes and of PostgreSQL."
+            ),
+        ),
+    ] = None,
     as_json: JsonOutput = False,
 ) -> None:
     needs_extra("bench", "bench")
     if ctx.invoked_subcommand is not None:
+        return
+    if cells is not None:
+        _bench_cells(cells, quick, workers, runners, seed, seconds, keep, as_json)
         return
     from secondbox_scheduler.infrastructure.tools.bench import (
         SECTIONS,
@@ -160,6 +176,62 @@ def bench(
         print_json(report)
     else:
         print_report(report, stdout())
+
+
+def _bench_cells(
+    cells: int, quick: bool, workers: int, runners: int | None, seed: int,
+    seconds: float | None, keep: bool, as_json: bool,
+) -> None:  # fmt: skip
+    import os
+    import time
+
+    from secondbox_scheduler.infrastructure.tools.bench import BenchError, BenchSettings
+    from secondbox_scheduler.infrastructure.tools.bench.cells import measure_cells
+
+    settings = BenchSettings.make(
+        quick=quick, workers=workers, runners=runners, seed=seed, seconds=seconds,
+        sections=("batched",), chain=True, callers=None,
+    )  # fmt: skip
+    err = Console(stderr=True, highlight=False)
+    stamp = f"{time.strftime('%Y%m%d_%H%M%S')}_{os.getpid()}"
+    try:
+        with reported_errors():
+            report = measure_cells(
+                settings, cells, stamp,
+                (lambda _: None) if as_json else (lambda m: err.print(f"[dim]{m}…[/dim]")),
+                keep=keep,
+            )  # fmt: skip
+    except BenchError as error:
+        fail(escape(str(error)), error.exit_code)
+    if as_json:
+        print_json(report)
+        return
+    table = Table(
+        title=f"Placements through cell routers ({workers} workers x 10 callers, "
+        f"{report['cpu_cores']} cores)",
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+    )
+    for name in (
+        "cells", "placements/s", "vs 1 cell", "p50 ms", "p99 ms", "scheduler CPU ms/pl",
+        "PostgreSQL CPU ms/pl", "placements/core-s", "machine busy",
+    ):  # fmt: skip
+        table.add_column(name, justify="right")
+    for count, run in report["runs"].items():
+        table.add_row(
+            count,
+            f"{run['per_second']:,.0f}",
+            f"{run['scaling_vs_one_cell']:.2f}",
+            f"{run['p50_ms']:.1f}",
+            f"{run['p99_ms']:.1f}",
+            f"{run['scheduler_cpu_ms_per_placement']:.3f}",
+            f"{run['postgres_cpu_ms_per_placement']:.3f}",
+            f"{run['placements_per_core_second']:,.0f}",
+            f"{run['machine_cpu_busy']:.0%}" if run["machine_cpu_busy"] is not None else "-",
+        )
+    console = stdout()
+    console.print(table)
+    console.print(report["note"])
 
 
 @bench_cli.command(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -9,6 +11,8 @@ from rich import box
 from rich.table import Table
 
 from secondbox_scheduler.domain.values import DurableAssignment, RunnerSnapshot
+from secondbox_scheduler.infrastructure.cells.config import load_cells
+from secondbox_scheduler.infrastructure.cli.cells import CellsFile, open_router
 from secondbox_scheduler.infrastructure.cli.common import (
     GIB,
     DatabaseUrl,
@@ -18,11 +22,14 @@ from secondbox_scheduler.infrastructure.cli.common import (
     open_store,
     print_json,
     reported_errors,
+    say_error,
     shown,
     stdout,
     store_errors,
 )
+from secondbox_scheduler.infrastructure.exit_codes import EXIT_STORE_UNAVAILABLE
 from secondbox_scheduler.infrastructure.settings import DEFAULT_SQLITE_URL
+from secondbox_scheduler.infrastructure.store.cell_unavailable import CellUnavailableError
 
 # This module's top-level commands; the package's __init__ adds them to the app `cli`.
 commands = typer.Typer()
@@ -60,7 +67,11 @@ def list_runners(
         str | None, typer.Option("--pool", help="Only the runners of this pool.")
     ] = None,
     json_output: JsonOutput = False,
+    cells: CellsFile = None,
 ) -> None:
+    if cells is not None:
+        _runners_of_cells(cells, pool, json_output)
+        return
     with reported_errors():
         app = open_store(database_url)
         try:
@@ -74,16 +85,44 @@ def list_runners(
     stdout().print(runner_table(snapshots, pool))
 
 
-def runner_table(snapshots: list[RunnerSnapshot], pool: str | None = None) -> Table:
+def _runners_of_cells(cells: Path, pool: str | None, json_output: bool) -> None:
+    """``runners --cells``: every cell's runners, each row naming its cell; a cell that
+    does not answer is one error line (the others are still listed) and exit 4."""
+    with reported_errors():
+        config = load_cells(cells)
+        with open_router(config) as router:
+            found = router.runner_snapshots_across(pool)
+    rows = [(row.cell, snapshot) for row in found.rows for snapshot in row.value]
+    if json_output:
+        print_json([{"cell": cell, **s.model_dump(mode="json")} for cell, s in rows])
+    else:
+        stdout().print(runner_table([s for _, s in rows], pool, cells=[cell for cell, _ in rows]))
+    report_unavailable(found.unavailable)
+
+
+def report_unavailable(unavailable: Mapping[str, CellUnavailableError]) -> None:
+    """One line on stderr per cell that did not answer, then exit 4 (if any)."""
+    for error in unavailable.values():
+        say_error(shown(str(error)))
+    if unavailable:
+        raise typer.Exit(EXIT_STORE_UNAVAILABLE)
+
+
+def runner_table(
+    snapshots: list[RunnerSnapshot], pool: str | None = None, cells: list[str] | None = None
+) -> Table:
     title = f"Runners of pool {shown(pool)}" if pool else "Runners"
     table = Table(title=f"{title} ({len(snapshots)})", box=box.SIMPLE_HEAD, title_justify="left")
+    if cells is not None:
+        table.add_column("cell")
     for name in ("id", "pool", "arch", "backend", "drain", "last heartbeat"):
         table.add_column(name)
     for name in ("vCPU", "memory GiB", "instances"):
         table.add_column(name, justify="right")
-    for runner in snapshots:
+    for index, runner in enumerate(snapshots):
         reserved, allocatable = runner.reserved, runner.allocatable
         table.add_row(
+            *([shown(cells[index])] if cells is not None else []),
             shown(runner.id),
             shown(runner.pool_name),
             shown(runner.architecture),
@@ -134,12 +173,16 @@ def assignments(
     ] = None,
     database_url: DatabaseUrl = DEFAULT_SQLITE_URL,
     json_output: JsonOutput = False,
+    cells: CellsFile = None,
 ) -> None:
     if (sandbox is None) == (runner is None):
         raise typer.BadParameter(
             "give exactly one of --sandbox ID or --runner ID",
             param_hint="'--sandbox' / '--runner'",
         )
+    if cells is not None:
+        _assignments_of_cells(cells, sandbox, runner, json_output)
+        return
     with reported_errors():
         app = open_store(database_url)
         try:
@@ -155,6 +198,27 @@ def assignments(
             app.close()
     if json_output:
         print_json([assignment_json(assignment) for assignment in found])
+        return
+    stdout().print(assignment_table(found, f"{title} ({len(found)})"))
+
+
+def _assignments_of_cells(
+    cells: Path, sandbox: str | None, runner: str | None, json_output: bool
+) -> None:
+    """``assignments --cells``: the sandbox's or runner's cell is found by the router
+    (its id directory); the rows name it."""
+    with reported_errors(), open_router(load_cells(cells)) as router:
+        if sandbox is not None:
+            cell = router.cell_of_sandbox(sandbox)
+            found = router.call(cell, lambda app: app.assignments(sandbox))
+            title = f"Assignments of sandbox {sandbox} in cell {cell}"
+        else:
+            assert runner is not None
+            cell = router.cell_of_runner(runner)
+            found = router.call(cell, lambda app: app.runner_assignments(runner))
+            title = f"Assignments holding runner {runner} in cell {cell}"
+    if json_output:
+        print_json([{"cell": cell, **assignment_json(assignment)} for assignment in found])
         return
     stdout().print(assignment_table(found, f"{title} ({len(found)})"))
 

@@ -15,6 +15,10 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
+from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.cells.config import load_cells
+from secondbox_scheduler.infrastructure.cells.router import CellRouter
+from secondbox_scheduler.infrastructure.cli.cells import CellsFile, open_router
 from secondbox_scheduler.infrastructure.cli.common import (
     DatabaseUrl,
     JsonOutput,
@@ -30,8 +34,10 @@ from secondbox_scheduler.infrastructure.settings import (
     ready_max_lag,
     redact_url,
 )
+from secondbox_scheduler.infrastructure.store.cell_unavailable import CellUnavailableError
 
 if TYPE_CHECKING:
+    from secondbox_scheduler.domain.access_tokens import AccessTokens
     from secondbox_scheduler.infrastructure.http.server import TlsFiles
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -136,6 +142,7 @@ def serve(
         ),
     ] = False,
     as_json: JsonOutput = False,
+    cells: CellsFile = None,
 ) -> None:
     needs_extra("server", "serve")
     from prometheus_client import (
@@ -159,15 +166,20 @@ def serve(
         fail(f"--log-level takes one of {', '.join(LOG_LEVELS)}; got {escape(log_level)!r}")
     tls = tls_files(tls_cert, tls_key, tls_client_ca)
     disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series
+    scheduler: SchedulerApplication | CellRouter
     with reported_errors(), store_errors(database_url):
-        scheduler = open_store(database_url, must_exist=False)
-        try:
-            if max_read_model_lag is None:
-                max_read_model_lag = ready_max_lag(scheduler.env.get(READY_MAX_LAG))
-            stored = load_tokens(scheduler)
-        except BaseException:
-            scheduler.close()
-            raise
+        if cells is not None:
+            scheduler, stored = _open_cells(cells)
+            database_url = f"cells {cells} ({', '.join(scheduler.names)})"
+        else:
+            scheduler = open_store(database_url, must_exist=False)
+            try:
+                if max_read_model_lag is None:
+                    max_read_model_lag = ready_max_lag(scheduler.env.get(READY_MAX_LAG))
+                stored = load_tokens(scheduler)
+            except BaseException:
+                scheduler.close()
+                raise
     tokens = len(stored.tokens) if stored is not None else 0
     exposed = exposure(host, tokens=tokens, tls=tls is not None)
     if exposed and not insecure:
@@ -215,6 +227,21 @@ def serve(
         server.run(sockets=[sock])
     finally:
         scheduler.close()
+
+
+def _open_cells(cells: Path) -> tuple[CellRouter, AccessTokens | None]:
+    """The router over the cells file's cells and the access tokens of its first cell
+    (None when that cell is down now: the exposure check then counts no token, and the
+    service refuses requests until it reads them)."""
+    from secondbox_scheduler.infrastructure.access.tokens import load_tokens
+
+    router = open_router(load_cells(cells))
+    try:
+        stored = load_tokens(router.application(router.names[0]))
+    except CellUnavailableError as error:
+        sys.stderr.write(f"warning: {error}: access tokens not read yet\n")
+        stored = None
+    return router, stored
 
 
 def _exit_cleanly(signum: int, frame: FrameType | None) -> None:

@@ -18,11 +18,17 @@ import secondbox_scheduler.infrastructure.http.health as health
 import secondbox_scheduler.infrastructure.http.runners as runners
 import secondbox_scheduler.infrastructure.http.sandboxes as sandboxes
 import secondbox_scheduler.infrastructure.http.tokens as tokens
-from secondbox_scheduler.infrastructure.access.cache import TokenCache
+from secondbox_scheduler.infrastructure.access.cache import (
+    TOKEN_REFRESH_SECONDS,
+    TokenCache,
+    token_refresh_seconds,
+)
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.cells.router import CellRouter, LazyApplication
 from secondbox_scheduler.infrastructure.http.authentication import Authentication
 from secondbox_scheduler.infrastructure.http.authorization import authorize
 from secondbox_scheduler.infrastructure.http.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from secondbox_scheduler.infrastructure.http.cells import CellsCollector
 from secondbox_scheduler.infrastructure.http.errors import install_error_handlers, problem_openapi
 from secondbox_scheduler.infrastructure.http.request_log import RequestLog
 from secondbox_scheduler.infrastructure.http.request_metrics import (
@@ -64,7 +70,7 @@ or minus the tolerance (`SECONDBOX_CLOCK_TOLERANCE_SECONDS`, default 5).
 
 
 def create_app(
-    scheduler: SchedulerApplication,
+    scheduler: SchedulerApplication | CellRouter,
     *,
     registry: CollectorRegistry | None = None,
     max_read_model_lag: int | None = None,
@@ -81,6 +87,15 @@ def create_app(
 
     Once any access token exists, every route but the health probes (and ``/metrics``
     with ``open_metrics``) needs one (:mod:`.authentication`)."""
+    if isinstance(scheduler, CellRouter):
+        return _create_app(
+            scheduler,
+            registry if registry is not None else CollectorRegistry(),
+            max_read_model_lag=max_read_model_lag,
+            max_body_bytes=max_body_bytes,
+            access_log=access_log,
+            open_metrics=open_metrics,
+        )
     if max_read_model_lag is None:
         max_read_model_lag = ready_max_lag(scheduler.env.get(READY_MAX_LAG))
     sink = scheduler.metrics.sink
@@ -88,6 +103,38 @@ def create_app(
         exporter = sink
     else:
         exporter = scheduler.attach_metrics(registry)
+    return _create_app(
+        scheduler,
+        exporter.registry,
+        max_read_model_lag=max_read_model_lag,
+        max_body_bytes=max_body_bytes,
+        access_log=access_log,
+        open_metrics=open_metrics,
+    )
+
+
+def _create_app(
+    scheduler: SchedulerApplication | CellRouter,
+    registry: CollectorRegistry,
+    *,
+    max_read_model_lag: int | None,
+    max_body_bytes: int,
+    access_log: bool,
+    open_metrics: bool,
+) -> FastAPI:
+    """The FastAPI application over one application or a cell router (its tokens are
+    the first cell's; its metrics every cell's, by :class:`CellsCollector`)."""
+    if isinstance(scheduler, CellRouter):
+        if max_read_model_lag is None:
+            max_read_model_lag = ready_max_lag(scheduler.setting(READY_MAX_LAG))
+        registry.register(CellsCollector(scheduler))
+        token_cache = TokenCache(
+            LazyApplication(scheduler, scheduler.names[0]),
+            token_refresh_seconds(scheduler.setting(TOKEN_REFRESH_SECONDS)),
+        )
+    else:
+        assert max_read_model_lag is not None
+        token_cache = TokenCache(scheduler)
     app = FastAPI(
         title="SecondBox scheduler",
         version=API_VERSION,
@@ -96,7 +143,7 @@ def create_app(
         dependencies=[Depends(authorize)],
     )
     app.state.scheduler = scheduler
-    app.state.registry = exporter.registry
+    app.state.registry = registry
     app.state.max_read_model_lag = max_read_model_lag
     install_error_handlers(app)
     problem_openapi(app)
@@ -106,12 +153,12 @@ def create_app(
     app.include_router(tokens.router)
     app.add_middleware(  # who calls (401); the dependency `authorize`: whether they may (403)
         Authentication,
-        tokens=TokenCache(scheduler),
+        tokens=token_cache,
         scheduler=scheduler,
         open_metrics=open_metrics,
     )
     app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
     # Added last, so outermost: it also times (and counts) the 413s of BodyLimit.
-    app.add_middleware(RequestMetrics, histogram=request_histogram(exporter.registry))
+    app.add_middleware(RequestMetrics, histogram=request_histogram(registry))
     app.add_middleware(RequestLog, access_log=access_log)  # outermost: the request id first
     return app

@@ -8,6 +8,7 @@ it again; the ``response_model`` each route declares is for the OpenAPI document
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated
 
 from fastapi import Depends, Path, Query, Request
@@ -16,18 +17,38 @@ from starlette.responses import Response
 
 from secondbox_scheduler.domain.limits import MAX_NAME_LENGTH
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.cells.router import CellRouter
 
 INT64_MAX = 2**63 - 1
+# What a service serves: one application, or a router over cells (infrastructure/cells/).
+Served = SchedulerApplication | CellRouter
 
 
-def scheduler(request: Request) -> SchedulerApplication:
-    """The application this service serves (``app.state.scheduler``)."""
+def scheduler(request: Request) -> Served:
+    """The application, or the cell router, this service serves (``app.state.scheduler``)."""
     app = request.app.state.scheduler
-    assert isinstance(app, SchedulerApplication)
+    assert isinstance(app, (SchedulerApplication, CellRouter))
     return app
 
 
-Scheduler = Annotated[SchedulerApplication, Depends(scheduler)]
+Scheduler = Annotated[Served, Depends(scheduler)]
+
+
+def sandbox_application(app: Served, sandbox_id: str) -> SchedulerApplication:
+    """The application that holds ``sandbox_id`` (over cells: its cell's)."""
+    return app if isinstance(app, SchedulerApplication) else app.sandbox_application(sandbox_id)
+
+
+def runner_application(app: Served, runner_id: str) -> SchedulerApplication:
+    """The application that holds ``runner_id`` (over cells: its cell's)."""
+    return app if isinstance(app, SchedulerApplication) else app.runner_application(runner_id)
+
+
+def tokens_application(app: Served) -> SchedulerApplication:
+    """The application whose store keeps the access tokens (over cells: the first cell
+    of the cells file's)."""
+    return app if isinstance(app, SchedulerApplication) else app.application(app.names[0])
+
 
 RunnerId = Annotated[
     str,
@@ -60,6 +81,13 @@ PoolQuery = Annotated[
 ]
 
 
-def respond(model: BaseModel, status_code: int = 200) -> Response:
+def respond(
+    model: BaseModel, status_code: int = 200, headers: Mapping[str, str] | None = None
+) -> Response:
     """``model`` as JSON (its own serialisation: hex tokens, sorted sets, ISO times)."""
-    return Response(model.model_dump_json(), status_code=status_code, media_type="application/json")
+    return Response(
+        model.model_dump_json(),
+        status_code=status_code,
+        media_type="application/json",
+        headers=headers,
+    )

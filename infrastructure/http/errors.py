@@ -36,7 +36,8 @@ refused placement (runners refusing per reason code). The statuses:
   (``no_compatible_runner``, ``home_runner_unavailable``, ``egress_context_unavailable``:
   retry when capacity, heartbeats or a drain change);
 - 503 with ``Retry-After``: ``serialization_contention`` (lost every race of its retry
-  budget) and ``store_unavailable``; retrying the same request is safe;
+  budget), ``store_unavailable`` and ``cell_unavailable`` (one cell of several is down:
+  the detail names it); retrying the same request is safe;
   ``read_model_unavailable``: a read model's tracking position lies beyond the log's
   head (tampered with): an operator must rebuild it (``projections rebuild``);
 - 500 ``internal_error``: a fault of the scheduler (never expected; logged).
@@ -86,6 +87,7 @@ from secondbox_scheduler.infrastructure.access.errors import (
     UnauthenticatedError,
 )
 from secondbox_scheduler.infrastructure.metrics import refusal_reasons
+from secondbox_scheduler.infrastructure.store.cell_unavailable import CellUnavailableError
 from secondbox_scheduler.infrastructure.store.startup import StoreUnavailableError
 from secondbox_scheduler.projections.read_models import ReadModelAheadError
 
@@ -120,6 +122,7 @@ STATUS_AND_CODE: dict[type[BaseException], tuple[int, str]] = {
     PlacementError: (409, "no_compatible_runner"),
     SerializationContentionError: (503, "serialization_contention"),
     StoreUnavailableError: (503, "store_unavailable"),
+    CellUnavailableError: (503, "cell_unavailable"),
     ReadModelAheadError: (503, "read_model_unavailable"),
     SchedulerError: (409, "refused"),
     # The store failed under a command (connection lost, pool exhausted, SQLite busy).
@@ -298,6 +301,9 @@ def scheduler_error_response(error: Exception, scope: Scope | None = None) -> JS
         detail.reasons = dict(sorted(refusal_reasons(error).items()))
     elif isinstance(error, StoreUnavailableError):
         detail.reason = error.reason
+        headers["Retry-After"] = str(RETRY_AFTER_STORE)
+    elif isinstance(error, CellUnavailableError):
+        detail.reason = "cell-unavailable"
         headers["Retry-After"] = str(RETRY_AFTER_STORE)
     elif isinstance(error, (OperationalError, InterfaceError)):
         detail.reason = "unavailable"

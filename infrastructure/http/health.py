@@ -39,6 +39,8 @@ from starlette.responses import Response
 
 from secondbox_scheduler.domain.errors import SchedulerError
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.cells.router import CellRouter
+from secondbox_scheduler.infrastructure.http.cells import cells_readiness
 from secondbox_scheduler.infrastructure.http.common import respond
 from secondbox_scheduler.infrastructure.http.errors import ERROR_RESPONSES, RETRY_AFTER_STORE
 from secondbox_scheduler.infrastructure.http.readiness import read_model_readiness
@@ -80,6 +82,11 @@ class Readiness(BaseModel):
     max_lag_events: int = Field(description="The threshold: more lag is not ready.")
     projections: list[ReadModelLag] = Field(default_factory=list)
     reasons: list[str] = Field(default_factory=list, description="Why not ready (empty: ready).")
+    cells: dict[str, str] | None = Field(
+        default=None,
+        description="Over cells: each cell's store, ok or why it did not answer. The "
+        "service is ready while any cell answers (a down cell fails only its own commands).",
+    )
 
 
 READY_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -105,6 +112,8 @@ async def healthz() -> Response:
 @router.get("/readyz", response_model=Readiness, summary="Readiness", responses=READY_RESPONSES)
 async def readyz(request: Request) -> Response:
     threshold: int = request.app.state.max_read_model_lag
+    if isinstance(request.app.state.scheduler, CellRouter):
+        return await _cells_ready(request.app.state.scheduler, threshold)
     app: SchedulerApplication = request.app.state.scheduler
     if app.read_models is None:
         mode = READ_MODELS_NOT_KEPT
@@ -121,6 +130,25 @@ async def readyz(request: Request) -> Response:
     if readiness.store != "ok":
         readiness.ready = False
         readiness.reasons.append(f"store {readiness.store}")
+    if readiness.ready:
+        return respond(readiness)
+    response = respond(readiness, 503)
+    response.headers["Retry-After"] = str(RETRY_AFTER_STORE)
+    return response
+
+
+async def _cells_ready(router: CellRouter, threshold: int) -> Response:
+    """Readiness over cells: every cell probed at once; ready while any answers."""
+    states = await asyncio.get_running_loop().run_in_executor(_probes, cells_readiness, router)
+    answering = [name for name, state in states.items() if state == "ok"]
+    readiness = Readiness(
+        ready=bool(answering),
+        store="ok" if len(answering) == len(states) else f"{len(answering)}/{len(states)} cells",
+        read_models="per cell (see /metrics)",
+        max_lag_events=threshold,
+        cells=states,
+        reasons=[] if answering else ["no cell answered"],
+    )
     if readiness.ready:
         return respond(readiness)
     response = respond(readiness, 503)

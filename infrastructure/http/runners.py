@@ -12,7 +12,15 @@ from starlette.responses import Response
 
 from secondbox_scheduler.domain.values import Capacity, RunnerSnapshot
 from secondbox_scheduler.infrastructure.audit.queries import timeline
-from secondbox_scheduler.infrastructure.http.common import PoolQuery, RunnerId, Scheduler, respond
+from secondbox_scheduler.infrastructure.cells.router import CellRouter
+from secondbox_scheduler.infrastructure.http.cells import cell_of_runner, runner_list_over_cells
+from secondbox_scheduler.infrastructure.http.common import (
+    PoolQuery,
+    RunnerId,
+    Scheduler,
+    respond,
+    runner_application,
+)
 from secondbox_scheduler.infrastructure.http.errors import ERROR_RESPONSES
 from secondbox_scheduler.infrastructure.http.models import (
     AssignmentList,
@@ -58,7 +66,10 @@ def register_runner(body: RunnerRegistration, app: Scheduler) -> Response:
 
 @router.get("", response_model=RunnerList, summary="Runner snapshots")
 def list_runners(app: Scheduler, pool_name: PoolQuery = None) -> Response:
-    """Every registered runner (of one pool), sorted by id, from the read model."""
+    """Every registered runner (of one pool), sorted by id, from the read model. Over
+    cells: every cell's, each naming its ``cell``, and the cells that did not answer."""
+    if isinstance(app, CellRouter):
+        return runner_list_over_cells(app, pool_name)
     return respond(RunnerList(runners=app.runner_snapshots(pool_name)))
 
 
@@ -116,13 +127,16 @@ def change_allocatable(runner_id: RunnerId, body: Capacity, app: Scheduler) -> R
 def runner_assignments(runner_id: RunnerId, app: Scheduler) -> Response:
     """The assignments that hold a reservation on the runner."""
     found = app.runner_assignments(runner_id)
-    return respond(AssignmentList(assignments=[AssignmentOut.of(a) for a in found]))
+    return respond(
+        AssignmentList(assignments=[AssignmentOut.of(a) for a in found]),
+        headers=cell_of_runner(app, runner_id),
+    )
 
 
 @router.get("/{runner_id}/timeline", response_model=Timeline, summary="Runner's history")
 def runner_timeline(runner_id: RunnerId, app: Scheduler) -> Response:
     """The runner's events and its lease's, in time order (``audit timeline``)."""
-    entries = timeline(app, runner_id=runner_id)
+    entries = timeline(runner_application(app, runner_id), runner_id=runner_id)
     return respond(
         Timeline(entries=[TimelineEntryOut.model_validate(e.to_dict()) for e in entries])
     )

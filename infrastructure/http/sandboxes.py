@@ -17,14 +17,16 @@ from starlette.responses import Response
 
 from secondbox_scheduler.domain.errors import AssignmentNotFoundError, SandboxNotFoundError
 from secondbox_scheduler.domain.reconcile import ReconcileDecision
-from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit.queries import explain, timeline
+from secondbox_scheduler.infrastructure.http.cells import cell_of_sandbox
 from secondbox_scheduler.infrastructure.http.common import (
     GenerationPath,
     GenerationQuery,
     SandboxId,
     Scheduler,
+    Served,
     respond,
+    sandbox_application,
 )
 from secondbox_scheduler.infrastructure.http.errors import ERROR_RESPONSES
 from secondbox_scheduler.infrastructure.http.models import (
@@ -54,7 +56,7 @@ router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"], responses=ERROR_R
 GENERATION = "/{sandbox_id}/generations/{generation}"
 
 
-def _exists(app: SchedulerApplication, sandbox_id: str) -> bool:
+def _exists(app: Served, sandbox_id: str) -> bool:
     try:
         app.sandbox_home(sandbox_id)
     except SandboxNotFoundError:
@@ -62,7 +64,7 @@ def _exists(app: SchedulerApplication, sandbox_id: str) -> bool:
     return True
 
 
-def _assignment(app: SchedulerApplication, sandbox_id: str, generation: int | None) -> Response:
+def _assignment(app: Served, sandbox_id: str, generation: int | None) -> Response:
     app.sandbox_home(sandbox_id)  # an unknown sandbox is sandbox_not_found
     assignment = app.get_assignment(sandbox_id, generation)
     if assignment is None:
@@ -131,7 +133,10 @@ def get_assignment(
 def list_assignments(sandbox_id: SandboxId, app: Scheduler) -> Response:
     """Every generation's assignment, oldest first."""
     found = app.assignments(sandbox_id)
-    return respond(AssignmentList(assignments=[AssignmentOut.of(a) for a in found]))
+    return respond(
+        AssignmentList(assignments=[AssignmentOut.of(a) for a in found]),
+        headers=cell_of_sandbox(app, sandbox_id),
+    )
 
 
 @router.post(f"{GENERATION}/running", response_model=AssignmentOut, summary="Report running")
@@ -216,14 +221,14 @@ def explain_sandbox(
 ) -> Response:
     """Why this home runner, why each generation's runner, why each refusal, from the
     evidence recorded with each decision (``audit explain``)."""
-    explanation = explain(app, sandbox_id, generation)
+    explanation = explain(sandbox_application(app, sandbox_id), sandbox_id, generation)
     return respond(ExplanationOut.model_validate(explanation.to_dict()))
 
 
 @router.get("/{sandbox_id}/timeline", response_model=Timeline, summary="Sandbox's history")
 def sandbox_timeline(sandbox_id: SandboxId, app: Scheduler) -> Response:
     """The sandbox's events and its refusals, in time order (``audit timeline``)."""
-    entries = timeline(app, sandbox_id=sandbox_id)
+    entries = timeline(sandbox_application(app, sandbox_id), sandbox_id=sandbox_id)
     return respond(
         Timeline(entries=[TimelineEntryOut.model_validate(e.to_dict()) for e in entries])
     )

@@ -17,7 +17,7 @@ from starlette.responses import Response
 from secondbox_scheduler.domain.access_tokens import ROLES
 from secondbox_scheduler.domain.limits import MAX_ITEMS
 from secondbox_scheduler.infrastructure.access.tokens import issue_token, list_tokens, revoke_token
-from secondbox_scheduler.infrastructure.http.common import Scheduler, respond
+from secondbox_scheduler.infrastructure.http.common import Scheduler, respond, tokens_application
 from secondbox_scheduler.infrastructure.http.errors import ERROR_RESPONSES
 from secondbox_scheduler.infrastructure.http.models import ActorOut, Body, PathName, Time
 
@@ -75,7 +75,10 @@ def create_token(body: TokenRequest, app: Scheduler) -> Response:
     """A new token of the role (a runner token for its runner ids); the token is in this
     answer only. Once any token exists, every route but the health probes needs one."""
     issued = issue_token(
-        app, role=body.role, runner_ids=list(body.runner_ids), expires_at=body.expires_at
+        tokens_application(app),
+        role=body.role,
+        runner_ids=list(body.runner_ids),
+        expires_at=body.expires_at,
     )
     return respond(IssuedTokenOut.model_validate(issued.to_dict()), 201)
 
@@ -83,7 +86,7 @@ def create_token(body: TokenRequest, app: Scheduler) -> Response:
 @router.get("", response_model=TokenList, summary="Every token")
 def get_tokens(app: Scheduler) -> Response:
     """Every token ever issued, oldest first, with its state (never a token or digest)."""
-    tokens = [TokenOut.model_validate(t.to_dict()) for t in list_tokens(app)]
+    tokens = [TokenOut.model_validate(t.to_dict()) for t in list_tokens(tokens_application(app))]
     return respond(TokenList(tokens=tokens))
 
 
@@ -91,4 +94,6 @@ def get_tokens(app: Scheduler) -> Response:
 def delete_token(token_id: TokenId, app: Scheduler) -> Response:
     """Refused from now on by every replica (within the refresh interval); an unknown id
     is 404 ``access_token_not_found``."""
-    return respond(TokenRevoked(id=token_id, revoked=revoke_token(app, token_id)))
+    return respond(
+        TokenRevoked(id=token_id, revoked=revoke_token(tokens_application(app), token_id))
+    )

@@ -52,6 +52,7 @@ from secondbox_scheduler.infrastructure.settings import (
     POSTGRES_MODULE,
     POSTGRES_SETTINGS,
     SQLITE_MODULE,
+    TARGET_SESSION_ATTRS,
     settings_from_url,
 )
 from secondbox_scheduler.infrastructure.store.chain_tables import ChainedRecorder
@@ -181,6 +182,11 @@ class StoredApplication(Application[UUID]):
 
     def construct_recorder(self) -> ApplicationRecorder:
         recorder = super().construct_recorder()
+        datastore = getattr(self.factory, "datastore", None)
+        attrs = self.env.get(TARGET_SESSION_ATTRS)
+        kwargs = getattr(getattr(datastore, "pool", None), "kwargs", None)
+        if attrs and isinstance(kwargs, dict):  # a multi-host URL's choice of host
+            kwargs["target_session_attrs"] = attrs
         if isinstance(recorder, ChainedRecorder):
             recorder.configure(self.chain)
         if isinstance(recorder, ChainedPostgresRecorder):  # docs/operations.md, "Timeouts"

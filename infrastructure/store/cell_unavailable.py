@@ -1,25 +1,28 @@
-"""A cell whose store has no writable primary: :class:`CellUnavailableError`.
+"""The typed error of a cell whose store cannot be reached (docs/operations.md, "Cells").
 
-A cell is one event store on its own PostgreSQL cluster (docs/operations.md, "Cells").
-When its primary disappears, the application waits a bounded time for a writable
-server (:mod:`.reconnect`: the multi-host URL's other hosts, with backoff) and then
-fails the command with this error, which names the cell. It is a
-:class:`~.startup.StoreUnavailableError` (reason ``unavailable``), so everything that
-handles an unreachable store handles it too: HTTP 503 with ``Retry-After``, exit code 4,
-``retryable``. A request it interrupted may have committed: retrying it is answered as a
-serial execution would answer it (a retried ``schedule`` replays its assignment).
+A deployment of several cells (``infrastructure/cells/``) sends each command to the one
+cell that owns it; when that cell's PostgreSQL cannot be reached (refused, no answer
+within the connect timeout, lost under a command, or its reconnect budget spent), the
+command fails with this error naming the cell, and only that cell's commands do. It is
+retryable: the HTTP answer is 503 with ``Retry-After``, the command line's exit code is
+4 (the store unavailable).
 """
 
 from __future__ import annotations
 
-from secondbox_scheduler.infrastructure.store.startup import StoreUnavailableError
+from secondbox_scheduler.domain.errors import SchedulerError
 
 
-class CellUnavailableError(StoreUnavailableError):
-    """The store of cell ``cell`` has no writable primary (for now): retry later."""
+class CellUnavailableError(SchedulerError):
+    """The store of cell ``cell`` is unavailable; ``detail`` says what failed."""
+
+    retryable = True
 
     def __init__(self, cell: str, detail: str = "", *, target: str = "") -> None:
         self.cell = cell
-        super().__init__("unavailable", f"cell {cell!r}" + (f" ({target})" if target else ""),
-                         detail)  # fmt: skip
-        self.retryable = True
+        self.detail = detail
+        self.target = target  # where its store is (never a password), if known
+        message = f"SecondBox scheduler cell {cell!r} unavailable"
+        if target:
+            message = f"{message} ({target})"
+        super().__init__(f"{message}: {detail}" if detail else message)

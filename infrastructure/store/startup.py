@@ -102,9 +102,8 @@ def connect_postgres(settings: Mapping[str, str]) -> psycopg.Connection[tuple[ob
         user=settings.get("POSTGRES_USER") or None,
         password=settings.get("POSTGRES_PASSWORD") or None,
         dbname=settings.get("POSTGRES_DBNAME") or None,
-        connect_timeout=max(2, connect_timeout(settings)),  # libpq's least useful value
-        # several hosts (a cell's primary and standbys): the one that takes writes
         target_session_attrs=settings.get("POSTGRES_TARGET_SESSION_ATTRS") or None,
+        connect_timeout=max(2, connect_timeout(settings)),  # libpq's least useful value
     )
     try:
         return psycopg.connect(conninfo, autocommit=True)
