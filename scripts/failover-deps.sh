@@ -8,7 +8,10 @@
 # Prints where each one is.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-python=${PYTHON:-python3}
+# Patroni runs as the postgres user (PostgreSQL refuses root): its venv's Python must be
+# one that user may run (the system's, not one under root's home)
+python=${PATRONI_PYTHON:-/usr/bin/python3}
+[ -x "$python" ] || python=python3
 if ! command -v etcd >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     export DEBIAN_FRONTEND=noninteractive
@@ -19,7 +22,10 @@ if ! command -v etcd >/dev/null 2>&1; then
     exit 1
   fi
 fi
-if [ ! -x .venv-failover/bin/patroni ]; then
+if [ ! -x .venv-failover/bin/patroni ] || ! .venv-failover/bin/patroni --version >/dev/null 2>&1 \
+   || { [ "$(id -u)" = 0 ] && ! runuser -u postgres -- .venv-failover/bin/patroni --version \
+        >/dev/null 2>&1; }; then
+  rm -rf .venv-failover
   "$python" -m venv .venv-failover
   .venv-failover/bin/python -m pip install --quiet --disable-pip-version-check \
     "patroni[etcd3,psycopg3]>=4,<5"
