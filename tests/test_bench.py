@@ -55,6 +55,7 @@ GOALS = {
     "batched_placement",
     "batched_contention_goodput",
     "versus_row_lock",
+    *("http_placement", "new_sandbox_placement", "http_new_sandbox"),  # issue 32's
 }
 GOAL_FIELDS = {"target", "value", "met", "detail"}
 
@@ -137,6 +138,16 @@ def test_quick_bench_on_sqlite_reports_every_section_and_goal(quick: QuickRun) -
     assert_throughput(over_http, "placed")
     assert over_http["outcomes"].keys() <= {"placed", "contention_error"}
     assert over_http["replicas"] == report["settings"]["workers"]
+    assert over_http["connections_per_replica"] == BenchSettings.make(quick=True).http_connections
+    assert over_http["serve_cpu_ms_per_placement"] > 0
+    assert over_http["database_cpu_ms_per_placement"] is None  # SQLite: no server
+    for key in ("placement", "batched", "new_sandbox", "http", "http_new_sandbox"):
+        ledger = report[key]["ledger"]  # every acknowledged placement found on its runner
+        assert ledger["acknowledged"] >= report[key]["placed"] > 0, key
+        assert ledger["lost_placements"] == ledger["oversubscribed_runners"] == 0, key
+    assert_throughput(report["new_sandbox"], "placed")
+    assert_throughput(report["http_new_sandbox"], "placed")
+    assert report["failures"] == []
 
     rows = report["selection"]["rows"]
     assert [row["runners"] for row in rows] == list(BenchSettings.make(quick=True).selection_sizes)
@@ -224,8 +235,11 @@ def test_quick_bench_on_postgres_works_in_a_schema_it_drops(
         measured={
             "placement_throughput", "contention_goodput", "batched_placement",
             "batched_contention_goodput", "versus_row_lock",
+            "http_placement", "new_sandbox_placement", "http_new_sandbox",
         },
     )  # fmt: skip
+    assert report["http"]["database_cpu_ms_per_placement"] > 0  # its backends, by title
+    assert report["failures"] == []
     with psycopg.connect(postgres_server.conninfo()) as conn:
         found = conn.execute(
             "SELECT 1 FROM information_schema.schemata WHERE schema_name = %s", [schema]

@@ -20,6 +20,7 @@ from secondbox_scheduler.infrastructure.cli.common import (
     store_env,
     store_errors,
 )
+from secondbox_scheduler.infrastructure.exit_codes import EXIT_VIOLATION
 from secondbox_scheduler.infrastructure.settings import DATABASE_URL, redact_url
 
 BENCH_HELP = (
@@ -160,6 +161,10 @@ def bench(
         print_json(report)
     else:
         print_report(report, stdout())
+    if report["failures"]:  # a run broke an invariant: figures or not, the bench fails
+        for failure in report["failures"]:
+            err.print(f"bench: {escape(failure)}")
+        raise typer.Exit(EXIT_VIOLATION)
 
 
 @bench_cli.command(
