@@ -12,13 +12,24 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, TypeVar
 from uuid import UUID
 
-from eventsourcing.application import AggregateNotFoundError, Application, ProcessingEvent
+from eventsourcing.application import (
+    AggregateNotFoundError,
+    Application,
+    LRUCache,
+    ProcessingEvent,
+)
 from eventsourcing.domain import Snapshot
-from eventsourcing.persistence import ApplicationRecorder, EventStore, IntegrityError, Mapper
+from eventsourcing.persistence import (
+    ApplicationRecorder,
+    EventStore,
+    InfrastructureFactory,
+    IntegrityError,
+    Mapper,
+)
 from eventsourcing.postgres import PostgresDatastore
 from eventsourcing.sqlite import SQLiteDatastore
 from eventsourcing.utils import EnvType, strtobool
@@ -33,9 +44,11 @@ from secondbox_scheduler.infrastructure.acting import (
 from secondbox_scheduler.infrastructure.settings import (
     APPLICATION_RECORDER_TOPIC,
     AUDIT_KEY,
+    CELL,
     CHAIN,
     CHAINED_RECORDERS,
     DATABASE_URL,
+    DEFAULT_CELL,
     POSTGRES_MODULE,
     POSTGRES_SETTINGS,
     SQLITE_MODULE,
@@ -47,6 +60,7 @@ from secondbox_scheduler.infrastructure.store.chained_postgres import ChainedPos
 from secondbox_scheduler.infrastructure.store.encoding import EventMapper
 from secondbox_scheduler.infrastructure.store.fast_forward import load_many
 from secondbox_scheduler.infrastructure.store.probe import probe_store
+from secondbox_scheduler.infrastructure.store.reconnect import Reconnect, install_reconnect
 from secondbox_scheduler.infrastructure.store.sealed_postgres import SealedPostgresSnapshots
 from secondbox_scheduler.infrastructure.store.sealed_snapshots import SealedSnapshots
 from secondbox_scheduler.infrastructure.store.sealed_sqlite import SealedSQLiteSnapshots
@@ -73,6 +87,7 @@ class StoredApplication(Application[UUID]):
     """An eventsourcing application on the scheduler's store (no commands)."""
 
     _may_create = True
+    reconnect: Reconnect | None = None
 
     def __init__(self, env: EnvType | None = None) -> None:
         super().__init__(env)
@@ -104,6 +119,35 @@ class StoredApplication(Application[UUID]):
         elif module == SQLITE_MODULE:
             check_sqlite(planned.get("SQLITE_DBNAME") or "")
         yield
+
+    @property
+    def cell(self) -> str:
+        """The name of the cell this store is (``SECONDBOX_CELL``; ``default``)."""
+        return str(self.env.get(CELL) or DEFAULT_CELL)
+
+    def construct_factory(self, env: Any) -> InfrastructureFactory:
+        """The library's factory; on PostgreSQL its connections reconnect after the
+        primary disappears (:mod:`.reconnect`)."""
+        factory = super().construct_factory(env)
+        datastore = getattr(factory, "datastore", None)
+        self.reconnect = install_reconnect(datastore, env, str(env.get(CELL) or DEFAULT_CELL))
+        if self.reconnect is not None:
+            self.reconnect.on_recovered.append(self.forget_cached)
+        return factory
+
+    def forget_cached(self) -> None:
+        """Drop what this process holds of the store in memory (after a reconnection:
+        the new primary may hold less than the lost one acknowledged)."""
+        cache = getattr(getattr(self, "repository", None), "cache", None)
+        if cache is None:
+            return
+        # the library's LRUCache.clear() only resets its queue: empty its dict too
+        lock = getattr(cache, "lock", None)
+        with lock if lock is not None else nullcontext():
+            cache.cache.clear()
+            if isinstance(cache, LRUCache):
+                cache.clear()
+                cache.full = False
 
     def construct_env(self, name: str, env: EnvType | None = None) -> Any:
         environment = super().construct_env(name, env)
