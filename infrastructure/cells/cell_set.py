@@ -190,6 +190,9 @@ class CellSet:
             except FutureTimeout:
                 app.probe_store()  # the cell answers: the operation is only slow
                 return future.result()
+        except CellUnavailableError:
+            self._suspect.add(cell)  # the store's reconnection gave up: probe it next
+            raise
         except UNAVAILABLE as error:
             raise self._unavailable(cell, error) from None
 
