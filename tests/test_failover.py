@@ -160,8 +160,7 @@ def test_a_replica_reconnects_after_the_primary_is_replaced(
     pair: tuple[LocalCluster, LocalCluster],
 ) -> None:
     old, standby = pair
-    old.sql("ALTER SYSTEM SET synchronous_standby_names = 'standby'")
-    old.sql("SELECT pg_reload_conf()")
+    old.wait_for("standby")  # synchronous: every commit flushed on the standby too
     url = multi_host_url([old, standby], "cell")
     app = open_cell(url)
     try:

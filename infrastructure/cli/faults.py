@@ -77,7 +77,12 @@ def verify_command(
     ] = "postgresql://postgres@127.0.0.1:5432/postgres",
     workers: Annotated[int, typer.Option("--workers", min=1)] = 4,
     duration: Annotated[float, typer.Option("--duration", min=1.0, help="Seconds.")] = 30.0,
-    kill_workers: Annotated[int, typer.Option("--kill-workers", min=0)] = 0,
+    kill_workers: Annotated[
+        int | None,
+        typer.Option(
+            "--kill-workers", min=0, help="Workers SIGKILLed mid-run (0; failover profile: 2)."
+        ),
+    ] = None,
     restart_postgres: Annotated[bool, typer.Option("--restart-postgres")] = False,
     runners: Annotated[int, typer.Option("--runners", min=2)] = 6,
     sandboxes: Annotated[int, typer.Option("--sandboxes", min=1)] = 120,
@@ -133,7 +138,8 @@ def verify_command(
     from pathlib import Path
 
     if profile == "failover":
-        failover(duration, workers, kill_workers, promote, replication, seed, log_dir, as_json)
+        kills = 2 if kill_workers is None else kill_workers
+        failover(duration, workers, kills, promote, replication, seed, log_dir, as_json)
         return
 
     from secondbox_scheduler.infrastructure.tools.fault_injection import (
@@ -146,7 +152,7 @@ def verify_command(
         raise CommandError(f"--batching must be on or off, not {batching!r}")
     config = FaultRunConfig(
         database_url=database_url, workers=workers, duration=duration, runners=runners,
-        sandboxes=sandboxes, kill_workers=kill_workers, restart_postgres=restart_postgres,
+        sandboxes=sandboxes, kill_workers=kill_workers or 0, restart_postgres=restart_postgres,
         seed=seed, keep=keep, log_dir=Path(log_dir) if log_dir else None, profile=profile,
         batching=batching == "on",
     )  # fmt: skip

@@ -159,6 +159,23 @@ class LocalCluster:
             cursor = conn.execute(statement)
             return list(cursor.fetchall()) if cursor.description else []
 
+    def wait_for(self, standby: str, timeout: float = 60) -> None:
+        """Make ``standby`` (an ``application_name``) this primary's synchronous standby
+        (``synchronous_standby_names``, ``synchronous_commit`` on: every commit is
+        flushed there too before it returns), once it streams as one."""
+        self.sql(f"ALTER SYSTEM SET synchronous_standby_names = '{standby}'")
+        self.sql("SELECT pg_reload_conf()")
+        deadline = time.monotonic() + timeout
+        query = (
+            "SELECT count(*) FROM pg_stat_replication "
+            f"WHERE application_name = '{standby}' AND sync_state = 'sync'"
+        )
+        while time.monotonic() < deadline:
+            if self.sql(query)[0][0]:
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"{standby} is no synchronous standby of {self.name} in {timeout} s")
+
     def remove(self) -> None:
         self.kill()
         shutil.rmtree(self.directory, ignore_errors=True)
@@ -192,10 +209,10 @@ def _new_directory(parent: Path, name: str) -> Path:
     return directory
 
 
-def primary(parent: Path, name: str, synchronous_standby: str | None = None) -> LocalCluster:
-    """A new primary under ``parent``/``name``, started. ``synchronous_standby``: the
-    ``application_name`` of the standby every commit waits for (``synchronous_commit``
-    on: flushed there too before the commit returns); None: asynchronous replication."""
+def primary(parent: Path, name: str) -> LocalCluster:
+    """A new primary under ``parent``/``name``, started, replicating asynchronously
+    until :meth:`LocalCluster.wait_for` names a synchronous standby (a primary that
+    names one before it streams would hold every commit, ``CREATE DATABASE`` too)."""
     directory = _new_directory(parent, name)
     cluster = LocalCluster(directory, free_port(), name)
     run([str(cluster.bin / "initdb"), "-D", str(cluster.data), "-U", POSTGRES_USER, "-A",
@@ -206,7 +223,7 @@ def primary(parent: Path, name: str, synchronous_standby: str | None = None) -> 
         listen_addresses="127.0.0.1", port=str(cluster.port),
         unix_socket_directories=str(directory), wal_level="replica", max_wal_senders="10",
         hot_standby="on", wal_keep_size="256MB", synchronous_commit="on",
-        synchronous_standby_names=synchronous_standby or "", max_connections="200",
+        synchronous_standby_names="", max_connections="200",
         shared_buffers="32MB", fsync="off", full_page_writes="off",
     )  # fmt: skip
     cluster.start()

@@ -57,10 +57,16 @@ class ManualCell:
         self.name = name
         standby_name = f"{name}_standby"  # an identifier in synchronous_standby_names
         self.nodes: list[LocalCluster] = []
-        self.nodes.append(primary(parent, f"{name}_primary", standby_name if synchronous else None))
-        self.nodes[0].sql(f"CREATE DATABASE {DATABASE}")
-        self.nodes.append(standby_of(self.nodes[0], parent, standby_name))
         self.lost: LocalCluster | None = None
+        try:
+            self.nodes.append(primary(parent, f"{name}_primary"))
+            self.nodes[0].sql(f"CREATE DATABASE {DATABASE}")
+            self.nodes.append(standby_of(self.nodes[0], parent, standby_name))
+            if synchronous:
+                self.nodes[0].wait_for(standby_name)
+        except BaseException:
+            self.remove()  # what was started of it
+            raise
 
     def url(self) -> str:
         return multi_host_url(self.nodes, DATABASE)

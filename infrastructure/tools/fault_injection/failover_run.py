@@ -35,6 +35,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -84,7 +85,7 @@ class FailoverConfig:
 class FailoverReport:
     promote: str
     replication: str
-    log_dir: Path
+    log_dir: Path | None
     acknowledged: int = 0
     acknowledged_lost: int = 0
     lost: list[dict[str, Any]] = field(default_factory=list)
@@ -119,7 +120,8 @@ class FailoverReport:
             "failed_cell": CELLS[0], "killed_leader": self.killed,
             "worker_kills": self.worker_kills, "faults": self.faults,
             "operations": dict(sorted(self.operations.items())), "audit": self.audit,
-            "lost": self.lost[:10], "log_dir": str(self.log_dir), "violations": self.violations,
+            "lost": self.lost[:10], "violations": self.violations,
+            "log_dir": None if self.log_dir is None else str(self.log_dir),
         }  # fmt: skip
 
 
@@ -242,12 +244,22 @@ def run_failover(
             f"--replication must be one of {list(REPLICATIONS)}, not {config.replication!r}"
         )
     directory = clusters_directory("secondbox-failover-")
-    logs = (config.log_dir or directory / "logs").resolve()
+    # the journals outlive the clusters when the run fails (or when --log-dir says where)
+    logs = config.log_dir or Path(tempfile.mkdtemp(prefix="secondbox-failover-logs-"))
+    logs = logs.resolve()
     logs.mkdir(parents=True, exist_ok=True)
     for old in logs.glob("worker-*"):
         old.unlink()
     report = FailoverReport(config.promote, config.replication, logs)
     cleanup = Cleanup()
+    finished: list[bool] = []
+
+    def drop_logs() -> None:
+        if config.log_dir is None and finished and report.ok:
+            shutil.rmtree(logs, ignore_errors=True)
+            report.log_dir = None
+
+    cleanup.add(drop_logs)
     cleanup.add(lambda: shutil.rmtree(directory, ignore_errors=True))
     with cleanup.installed():
         cells = make_cells(config, directory, cleanup, say)
@@ -257,6 +269,7 @@ def run_failover(
         run_load(config, cells, described, logs, report, cleanup, say)
         say("checking")
         check(cells, described, logs, report)
+        finished.append(True)
     return report
 
 
@@ -333,8 +346,9 @@ def run_load(
             report.killed = cells[0].kill_leader()
             described[0]["killed_at"] = time.time()
             marks = [d["checkpoint"] for d in described]
+            what = "its PostgreSQL and Patroni" if config.promote == "patroni" else "PostgreSQL"
             say(f"checkpoints {marks}; killed the leader of cell {cells[0].name} "
-                f"({report.killed}: its PostgreSQL and Patroni, SIGKILL)")  # fmt: skip
+                f"({report.killed}: {what}, SIGKILL)")  # fmt: skip
 
             def replace() -> None:
                 if config.promote == "manual":

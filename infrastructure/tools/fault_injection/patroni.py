@@ -221,14 +221,18 @@ class PatroniCell:
             for i in range(2)
         ]
         self.lost: PatroniNode | None = None
-        self.nodes[0].start(binary)
-        self._wait(lambda: self.nodes[0].role() == "primary", 120, "a leader")
-        self.nodes[1].start(binary)
-        # in the DCS too: a standby that Patroni has not yet listed as synchronous may
-        # not take over (it is not known to hold every commit)
-        wanted = "sync_standby" if synchronous else "replica"
-        self._wait(lambda: self._standby_role() == wanted, 120, f"a {wanted} streaming")
-        self.nodes[0].cluster.sql(f"CREATE DATABASE {DATABASE}")
+        try:
+            self.nodes[0].start(binary)
+            self._wait(lambda: self.nodes[0].role() == "primary", 120, "a leader")
+            self.nodes[1].start(binary)
+            # in the DCS too: a standby that Patroni has not yet listed as synchronous
+            # may not take over (it is not known to hold every commit)
+            wanted = "sync_standby" if synchronous else "replica"
+            self._wait(lambda: self._standby_role() == wanted, 120, f"a {wanted} streaming")
+            self.nodes[0].cluster.sql(f"CREATE DATABASE {DATABASE}")
+        except BaseException:
+            self.remove()  # what was started of it
+            raise
 
     def _standby_role(self) -> str:
         """The role of the second node in the cell's view (``sync_standby``, ``replica``),
