@@ -230,16 +230,18 @@ def primary(parent: Path, name: str) -> LocalCluster:
     return cluster
 
 
-def standby_of(source: LocalCluster, parent: Path, name: str) -> LocalCluster:
+def standby_of(
+    source: LocalCluster, parent: Path, name: str, via_port: int | None = None
+) -> LocalCluster:
     """A standby of ``source`` (``pg_basebackup -R``), streaming from it as
-    ``application_name`` ``name``, started. Once promoted it waits for no standby of
-    its own (``synchronous_standby_names`` empty)."""
+    ``application_name`` ``name`` (through ``via_port``, a relay to it, if given),
+    started. Once promoted it waits for no standby of its own
+    (``synchronous_standby_names`` empty)."""
     directory = _new_directory(parent, name)
     cluster = LocalCluster(directory, free_port(), name)
     # -R writes primary_conninfo (with this application_name) to postgresql.auto.conf
-    source_conninfo = (
-        f"host=127.0.0.1 port={source.port} user={POSTGRES_USER} application_name={name}"
-    )
+    port = via_port or source.port
+    source_conninfo = f"host=127.0.0.1 port={port} user={POSTGRES_USER} application_name={name}"
     run([str(cluster.bin / "pg_basebackup"), "-D", str(cluster.data), "-d", source_conninfo,
          "-X", "stream", "-R", "--no-sync", "-c", "fast"], directory / "commands.log")  # fmt: skip
     cluster.configure(

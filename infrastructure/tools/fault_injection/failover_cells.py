@@ -5,7 +5,8 @@ machine, and how its leader is lost and replaced.
 ``pg_basebackup`` (:mod:`.clusters`), synchronous (the primary's
 ``synchronous_standby_names`` names the standby, ``synchronous_commit`` on) or
 asynchronous; losing the leader is SIGKILL to every process of the primary, and
-replacing it is ``pg_ctl promote`` of the standby. :class:`~.patroni.PatroniCell`
+replacing it is ``pg_ctl promote`` of the standby. The standby streams through a
+:class:`~.link.Link` (the run partitions it before the kill). :class:`~.patroni.PatroniCell`
 (``--promote patroni``) is the same pair managed by Patroni over a local etcd.
 Both give the cell's multi-host URL (``target_session_attrs=read-write``): the routers
 follow the new primary through it.
@@ -23,6 +24,7 @@ from secondbox_scheduler.infrastructure.tools.fault_injection.clusters import (
     primary,
     standby_of,
 )
+from secondbox_scheduler.infrastructure.tools.fault_injection.link import Link
 
 DATABASE = "secondbox_failover"
 
@@ -38,8 +40,13 @@ class FailoverCell(Protocol):
         """The node that takes writes now."""
         ...
 
+    def lag_leader(self) -> None:
+        """Partition the leader's replication link (:mod:`.link`): from now until the
+        kill its standby receives nothing more."""
+        ...
+
     def kill_leader(self) -> str:
-        """Lose the leader's host (SIGKILL): its name."""
+        """Lose the leader's host (SIGKILL, its replication link cut): its name."""
         ...
 
     def replace_leader(self, timeout: float) -> bool:
@@ -57,11 +64,15 @@ class ManualCell:
         self.name = name
         standby_name = f"{name}_standby"  # an identifier in synchronous_standby_names
         self.nodes: list[LocalCluster] = []
+        self.links: list[Link] = []  # the primary's: what its standby streams through
         self.lost: LocalCluster | None = None
         try:
             self.nodes.append(primary(parent, f"{name}_primary"))
             self.nodes[0].sql(f"CREATE DATABASE {DATABASE}")
-            self.nodes.append(standby_of(self.nodes[0], parent, standby_name))
+            self.links.append(Link(self.nodes[0].port))
+            self.nodes.append(
+                standby_of(self.nodes[0], parent, standby_name, via_port=self.links[0].port)
+            )
             if synchronous:
                 self.nodes[0].wait_for(standby_name)
         except BaseException:
@@ -74,9 +85,14 @@ class ManualCell:
     def leader(self) -> LocalCluster:
         return next(node for node in self.nodes if node.is_primary())
 
+    def lag_leader(self) -> None:
+        self.links[0].partition()  # the standby streams from the first primary only
+
     def kill_leader(self) -> str:
         self.lost = self.leader()
         self.lost.kill()
+        if self.lost is self.nodes[0]:
+            self.links[0].cut()
         return self.lost.name
 
     def replace_leader(self, timeout: float) -> bool:
@@ -95,3 +111,5 @@ class ManualCell:
     def remove(self) -> None:
         for node in self.nodes:
             node.remove()
+        for link in self.links:
+            link.close()

@@ -44,14 +44,17 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from secondbox_scheduler.domain.errors import SchedulerError
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit.verify import checkpoint, verify
+from secondbox_scheduler.infrastructure.audit.verify import checkpoint, parse_checkpoint, verify
+from secondbox_scheduler.infrastructure.store.cell_unavailable import CellUnavailableError
 from secondbox_scheduler.infrastructure.tools.fault_injection.clusters import clusters_directory
 from secondbox_scheduler.infrastructure.tools.fault_injection.failover_cells import (
     FailoverCell,
     ManualCell,
 )
 from secondbox_scheduler.infrastructure.tools.fault_injection.failover_worker import (
+    PROOF,
     read_journal,
 )
 from secondbox_scheduler.infrastructure.tools.fault_injection.fleet import (
@@ -66,6 +69,9 @@ REPLICATIONS = ("sync", "async")
 CELLS = ("a", "b")  # cell "a" loses its leader; "b" is the healthy cell
 FAILOVER_AT = 0.35  # of the duration
 MANUAL_PROMOTE_DELAY = 2.0  # seconds between the kill and pg_ctl promote (an operator's)
+# how long the doomed leader's standby receives nothing before the kill (a slow network:
+# asynchronous replication loses what was acknowledged meanwhile; synchronous, nothing)
+LAG_SECONDS = 3.0
 
 
 @dataclass
@@ -89,6 +95,7 @@ class FailoverReport:
     acknowledged: int = 0
     acknowledged_lost: int = 0
     lost: list[dict[str, Any]] = field(default_factory=list)
+    lost_tokens_refused: int = 0  # lost placements whose token every command refused
     oversubscribed: int = 0
     audit: dict[str, dict[str, Any]] = field(default_factory=dict)
     loss_detected: bool = False
@@ -114,6 +121,7 @@ class FailoverReport:
             "replication": self.replication, "acknowledged": self.acknowledged,
             "acknowledged_lost": self.acknowledged_lost, "oversubscribed": self.oversubscribed,
             "audit_ok": self.audit_ok, "loss_detected": self.loss_detected,
+            "lost_tokens_refused": self.lost_tokens_refused,
             "healthy_cell_placements_during_outage": self.healthy_cell_placements_during_outage,
             "outage_seconds": None if self.outage_seconds is None
             else round(self.outage_seconds, 2),
@@ -336,13 +344,18 @@ def run_load(
             processes[victim] = start(configs[victim])
         if failover_at is not None and time.time() >= failover_at:
             failover_at = None
-            for cell, held in zip(cells, described, strict=True):
-                app = cell_app(cell)
-                try:
-                    head = checkpoint(app)
-                finally:
+            apps = [cell_app(cell) for cell in cells]  # before the partition: no write then
+            try:
+                cells[0].lag_leader()
+                say(f"partitioned the replication link of cell {cells[0].name}'s leader "
+                    f"for {LAG_SECONDS:g} s")  # fmt: skip
+                time.sleep(LAG_SECONDS)
+                for app, held in zip(apps, described, strict=True):
+                    head = checkpoint(app)  # kept here, outside the cells
+                    held["checkpoint"] = None if head is None else str(head)
+            finally:
+                for app in apps:
                     app.close()
-                held["checkpoint"] = None if head is None else str(head)
             report.killed = cells[0].kill_leader()
             described[0]["killed_at"] = time.time()
             marks = [d["checkpoint"] for d in described]
@@ -380,6 +393,31 @@ def journal_records(logs: Path) -> list[dict[str, Any]]:
     for path in sorted(logs.glob("worker-*.jsonl")):
         records += read_journal(path)
     return records
+
+
+def refuse_lost_token(
+    app: SchedulerApplication, record: dict[str, Any], report: FailoverReport
+) -> None:
+    """Every command that takes a fencing token refuses the lost assignment's."""
+    sandbox, generation = record["sandbox"], record["generation"]
+    token = bytes.fromhex(record["token"])
+    commands: dict[str, Callable[[], object]] = {
+        "mark_running": lambda: app.mark_running(sandbox, generation, token),
+        "release": lambda: app.release(sandbox, generation, token, PROOF),
+        "fail": lambda: app.fail(sandbox, generation, token, "transient"),
+    }
+    for name, command in commands.items():
+        try:
+            command()
+        except CellUnavailableError:
+            raise
+        except SchedulerError:
+            continue
+        report.violations.append(
+            f"{name} took the fencing token of lost assignment {record['assignment']}"
+        )
+        return
+    report.lost_tokens_refused += 1
 
 
 def check(
@@ -423,6 +461,7 @@ def check(
                 report.acknowledged_lost += 1
                 report.lost.append({k: record[k] for k in ("cell", "sandbox", "generation",
                                                            "assignment", "at")})  # fmt: skip
+                refuse_lost_token(apps[record["cell"]], record, report)
         for cell, held in zip(cells, described, strict=True):
             app = apps[cell.name]
             for runner in app.fold_runner_snapshots(f"pool-{cell.name}"):
@@ -430,8 +469,6 @@ def check(
                 if any(used[dim] > room[dim] for dim in room):
                     report.oversubscribed += 1
                     report.violations.append(f"runner {runner.id} oversubscribed: {used}")
-            from secondbox_scheduler.infrastructure.audit.verify import parse_checkpoint
-
             mark = held.get("checkpoint")
             audit = verify(app, measure_raw=False,
                            checkpoint=parse_checkpoint(mark) if mark else None)  # fmt: skip
@@ -440,13 +477,13 @@ def check(
                 "violations": [v.to_dict() for v in audit.violations[:5]],
                 "violation_count": len(audit.violations),
             }  # fmt: skip
+            if not audit.ok:  # is it only the checkpoint that says so, or the log itself?
+                report.audit[cell.name]["log_ok"] = verify(app, measure_raw=False).ok
     finally:
         for app in apps.values():
             app.close()
     failed_rules = {v["rule"] for v in report.audit.get(failed, {}).get("violations", [])}
     report.loss_detected = bool(failed_rules & {"chain-truncated", "chain-rewritten"})
-    if report.oversubscribed:
-        pass  # each one named above
     if not report.audit.get(healthy, {}).get("ok"):
         report.violations.append(f"audit of the healthy cell {healthy}: {report.audit[healthy]}")
     if report.replication == "sync":
@@ -462,5 +499,9 @@ def check(
             f"{report.acknowledged_lost} acknowledged placements lost and the checkpoint "
             "check did not detect it"
         )
+    elif not report.audit.get(failed, {}).get("ok") and not (
+        report.loss_detected and report.audit[failed].get("log_ok")
+    ):  # the checkpoint may show the truncation; the promoted log itself must be sound
+        report.violations.append(f"audit of cell {failed}: {report.audit[failed]}")
     if killed_at is not None and not report.healthy_cell_placements_during_outage:
         report.violations.append(f"cell {healthy} placed nothing during cell {failed}'s outage")

@@ -41,6 +41,7 @@ from secondbox_scheduler.infrastructure.tools.fault_injection.clusters import (
     own,
 )
 from secondbox_scheduler.infrastructure.tools.fault_injection.failover_cells import DATABASE
+from secondbox_scheduler.infrastructure.tools.fault_injection.link import Link
 
 PATRONI = "SECONDBOX_PATRONI"
 TTL = 20  # Patroni's least leader-key TTL: a lost leader is replaced after at most this
@@ -104,6 +105,9 @@ class PatroniNode:
         directory.mkdir(parents=True)
         own(directory)
         self.cluster = LocalCluster(directory, free_port(), name)
+        # the address the other node streams from (and rewinds from): a relay the run
+        # can partition; the clients reach the node directly
+        self.link = Link(self.cluster.port)
         self.api_port = free_port()
         self.config = directory / "patroni.yml"
         self.config.write_text(json.dumps(self.settings(cell, etcd_port, sync), indent=1))
@@ -139,7 +143,7 @@ class PatroniNode:
             },
             "postgresql": {
                 "listen": f"127.0.0.1:{self.cluster.port}",
-                "connect_address": f"127.0.0.1:{self.cluster.port}",
+                "connect_address": f"127.0.0.1:{self.link.port}",
                 "data_dir": data, "bin_dir": str(bindir()),
                 "pgpass": str(self.directory / "pgpass"),
                 "authentication": {
@@ -262,9 +266,13 @@ class PatroniCell:
     def leader(self) -> LocalCluster:
         return next(node.cluster for node in self.nodes if node.role() == "primary")
 
+    def lag_leader(self) -> None:
+        next(node for node in self.nodes if node.role() == "primary").link.partition()
+
     def kill_leader(self) -> str:
         self.lost = next(node for node in self.nodes if node.role() == "primary")
         self.lost.kill()
+        self.lost.link.cut()
         return self.lost.name
 
     def replace_leader(self, timeout: float) -> bool:
@@ -283,5 +291,6 @@ class PatroniCell:
     def remove(self) -> None:
         for node in self.nodes:
             node.kill()
+            node.link.close()
         for node in self.nodes:
             shutil.rmtree(node.directory, ignore_errors=True)
