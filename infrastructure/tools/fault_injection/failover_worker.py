@@ -11,9 +11,9 @@ with the cell and the time, or ``refused``), flushed to the OS, so that a SIGKIL
 nothing acknowledged; restarted, it first retries the requests that were in flight (a
 retried schedule replays). A cell that fails (``CellUnavailableError``, or the store's
 own fault) is journaled as ``fault`` and left alone for a moment (as a client honours
-``Retry-After``) while the worker goes on in the other cell; its requests in flight are
-retried once it answers again. Any other exception is journaled as ``unexpected`` (a
-violation).
+``Retry-After``); each cell has a thread of its own, so the other cell's load goes on
+meanwhile. A request in flight is retried once its cell answers again. Any other
+exception is journaled as ``unexpected`` (a violation).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -77,20 +78,31 @@ def router_of(config: dict[str, Any]) -> CellRouter:
 
 
 class FailoverWorker:
+    """The worker's load: a thread per cell (a stalled cell holds no other cell's
+    requests, as in a service over cells), all through the worker's one router."""
+
     def __init__(self, config: dict[str, Any], journal: TextIO, previous: list[dict[str, Any]]):
         self.config = config
         self.journal = journal
-        self.rng = random.Random(f"{config['seed']}-{config['index']}-{len(previous)}")
+        self.lock = threading.Lock()
+        self.rngs = {
+            c["name"]: random.Random(f"{config['seed']}-{config['index']}-{c['name']}-"
+                                     f"{len(previous)}")
+            for c in config["cells"]
+        }  # fmt: skip
         self.router = router_of(config)
         self.cells: dict[str, list[str]] = {c["name"]: c["sandboxes"] for c in config["cells"]}
         self.pool_of = {c["name"]: c["pool"] for c in config["cells"]}
         self.cell_of = {s: name for name, sandboxes in self.cells.items() for s in sandboxes}
-        self.resting: dict[str, float] = {}  # cell -> until when it is left alone
-        self.pending = in_flight(previous)
+        # the schedules sent without an answer, by cell: retried first (their serial answer)
+        self.pending: dict[str, list[dict[str, Any]]] = {name: [] for name in self.cells}
+        for record in in_flight(previous):
+            self.pending[record["cell"]].append(record)
 
     def write(self, record: dict[str, Any]) -> None:
-        self.journal.write(json.dumps(record, sort_keys=True) + "\n")
-        self.journal.flush()
+        with self.lock:
+            self.journal.write(json.dumps(record, sort_keys=True) + "\n")
+            self.journal.flush()
 
     def request(self, sandbox_id: str, assignment_id: str, token: str) -> ScheduleRequest:
         now = self.router.now()
@@ -109,13 +121,16 @@ class FailoverWorker:
     def schedule(self, sandbox_id: str, assignment_id: str, token: str, retried: bool) -> None:
         cell = self.cell_of[sandbox_id]
         if not retried:
-            self.write({"kind": "intent", "request": assignment_id, "sandbox": sandbox_id,
-                        "token": token, "cell": cell, "at": time.time()})  # fmt: skip
+            intent = {"kind": "intent", "request": assignment_id, "sandbox": sandbox_id,
+                      "token": token, "cell": cell, "at": time.time()}  # fmt: skip
+            self.write(intent)
         try:
             assignment, created = self.router.schedule(
                 self.request(sandbox_id, assignment_id, token)
             )
         except CELL_FAULTS:
+            if not retried:  # interrupted: its answer is asked again, first
+                self.pending[cell].append(intent)
             raise
         except SchedulerError as error:
             self.write({"kind": "refused", "error": type(error).__name__,
@@ -129,23 +144,24 @@ class FailoverWorker:
         })  # fmt: skip
 
     def step(self, cell: str) -> None:
-        mine = [p for p in self.pending if p["cell"] == cell]
+        mine = self.pending[cell]
         if mine:  # interrupted requests first: each gets its serial answer
             request = mine[0]
             self.schedule(request["sandbox"], request["request"], request["token"], retried=True)
-            self.pending.remove(request)
+            mine.remove(request)
             return
-        sandbox_id = self.rng.choice(self.cells[cell])
+        rng = self.rngs[cell]
+        sandbox_id = rng.choice(self.cells[cell])
         current = self.router.get_assignment(sandbox_id)
         now = time.time()
         if current is None:
-            assignment_id = f"{sandbox_id}-{self.rng.getrandbits(64):016x}"
-            self.schedule(sandbox_id, assignment_id, self.rng.randbytes(32).hex(), retried=False)
+            assignment_id = f"{sandbox_id}-{rng.getrandbits(64):016x}"
+            self.schedule(sandbox_id, assignment_id, rng.randbytes(32).hex(), retried=False)
         elif current.state == "released":
             generation = self.router.advance_generation(sandbox_id, current.generation)
             self.write({"kind": "ack", "op": "advance", "sandbox": sandbox_id,
                         "generation": generation, "cell": cell, "at": now})  # fmt: skip
-        elif current.state == "assigned" and self.rng.random() < 0.3:
+        elif current.state == "assigned" and rng.random() < 0.3:
             self.router.mark_running(sandbox_id, current.generation, current.fencing_token)
             self.write({"kind": "ack", "op": "running", "sandbox": sandbox_id, "cell": cell,
                         "at": now})  # fmt: skip
@@ -155,20 +171,23 @@ class FailoverWorker:
                         "generation": current.generation, "cell": cell, "at": now})  # fmt: skip
 
     def run(self, deadline: float) -> None:
+        threads = [
+            threading.Thread(target=self.run_cell, args=(cell, deadline), name=f"cell-{cell}")
+            for cell in self.cells
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    def run_cell(self, cell: str, deadline: float) -> None:
         while time.time() < deadline:
-            now = time.time()
-            awake = [c for c in self.cells if self.resting.get(c, 0.0) <= now]
-            if not awake:
-                time.sleep(0.05)
-                continue
-            cell = self.rng.choice(awake)
             try:
                 self.step(cell)
             except CELL_FAULTS as error:
                 self.write({"kind": "fault", "cell": cell, "at": time.time(),
                             "error": f"{type(error).__name__}: {error}"[:300]})  # fmt: skip
-                self.resting[cell] = time.time() + BACK_OFF_SECONDS
-                self.pending = in_flight(read_journal(Path(self.config["journal"])))
+                time.sleep(BACK_OFF_SECONDS)  # as a client honours Retry-After
             except SchedulerError as error:  # a typed refusal (a rival's release, ...)
                 self.write({"kind": "refused", "error": type(error).__name__, "cell": cell,
                             "at": time.time()})  # fmt: skip
