@@ -26,6 +26,7 @@ from secondbox_scheduler.domain.errors import (
     SchedulerError,
     StaleFenceError,
 )
+from secondbox_scheduler.domain.ids import sandbox_uuid
 from secondbox_scheduler.domain.values import ScheduleRequest
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit.verify import checkpoint, verify
@@ -180,5 +181,41 @@ def test_a_replica_reconnects_after_the_primary_is_replaced(
         assert app.get_assignment("sbx-0002") == fresh
         assert app.reconnect is not None
         assert app.reconnect.reconnects >= 1
+    finally:
+        app.close()
+
+
+def test_an_aggregate_read_before_an_async_failover_writes_no_gap_after_it(
+    pair: tuple[LocalCluster, LocalCluster],
+) -> None:
+    """A command that ran across the reconnection can leave an aggregate of the lost
+    primary in the cache after the cache was forgotten; its next save must not write
+    past the promoted store's last version (a gap), but run again on what it holds."""
+    old, standby = pair
+    url = multi_host_url([old, standby], "cell")
+    app = open_cell(url)
+    try:
+        setup_fleet(app, FaultRunConfig(database_url=url, runners=2, sandboxes=1))
+        token = b"g" * 32
+        placed, _ = app.schedule(request(app, "sbx-0000", token))
+        wait_for_replay(old, standby)
+        standby.stop()
+        app.mark_running("sbx-0000", placed.generation, token)  # only on `old`
+        stream = sandbox_uuid("sbx-0000")
+        ahead = app.repository.get(stream)  # as a command in flight holds it
+        old.kill()
+        with pytest.raises(CellUnavailableError):
+            app.get_runner("runner-00")
+        standby.start()
+        standby.promote()
+        found = app.get_assignment("sbx-0000")  # reconnected: assigned, not running
+        assert found is not None and (found.id, found.state) == (placed.id, "assigned")
+        app.repository.cache.put(stream, ahead)  # that command puts it back
+        app.release("sbx-0000", placed.generation, token, PROOF)
+        versions = [e.originator_version for e in app.recorder.select_events(stream)]
+        assert versions == list(range(1, len(versions) + 1))  # no gap
+        released = app.get_assignment("sbx-0000")
+        assert released is not None and released.state == "released"
+        assert verify(app, measure_raw=False).ok
     finally:
         app.close()

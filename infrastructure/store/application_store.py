@@ -223,9 +223,16 @@ class StoredApplication(Application[UUID]):
 
     # -- loading ---------------------------------------------------------------
 
+    def _cache_current(self) -> None:
+        """Before the cache is read: a store known to be down is reconnected first (and
+        the cache forgotten), so that no cached aggregate of a lost primary answers."""
+        if self.reconnect is not None:
+            self.reconnect.ready()
+
     def load(self, aggregate_id: UUID, kind: type[A], *, copy: bool = True) -> A | None:
         """The aggregate, or None. ``copy=False`` returns the cached instance itself:
         only for reading a few scalar fields, never for commands."""
+        self._cache_current()
         try:
             aggregate: object = self.repository.get(aggregate_id, deepcopy_from_cache=copy)
         except AggregateNotFoundError:
@@ -235,6 +242,7 @@ class StoredApplication(Application[UUID]):
 
     def load_stored(self, aggregate_id: UUID) -> Any | None:
         """The aggregate as stored now (the cached instance: read, never command)."""
+        self._cache_current()
         try:
             return self.repository.get(aggregate_id, deepcopy_from_cache=False)
         except AggregateNotFoundError:
@@ -244,6 +252,7 @@ class StoredApplication(Application[UUID]):
         self, aggregate_ids: Sequence[UUID], *, cache_new: bool = True
     ) -> dict[UUID, Any]:
         """Up-to-date copies of many aggregates in two queries (:mod:`.fast_forward`)."""
+        self._cache_current()
         return load_many(self, aggregate_ids, cache_new=cache_new)
 
     def cache_committed(self, aggregates: Sequence[Any]) -> None:
@@ -276,6 +285,8 @@ class StoredApplication(Application[UUID]):
         The request-serving role may not insert a snapshot otherwise
         (docs/operations.md)."""
         stamp(processing_event.events, current_actor() or self.default_actor)
+        if self.reconnect is not None and self.reconnect.reconnects:
+            self._refuse_gaps(processing_event.events)
         events_recorder, snapshots = self.recorder, self.snapshots
         if (
             snapshots is not None
@@ -289,6 +300,30 @@ class StoredApplication(Application[UUID]):
                 stored = [snapshots.mapper.to_stored_event(snapshot) for snapshot in taken]
                 processing_event.saved_kwargs["snapshots"] = snapshots.recorder.within(stored)
         return super()._record(processing_event)
+
+    def _refuse_gaps(self, events: Sequence[Any]) -> None:
+        """After a reconnection, before each save: every aggregate's previous version is
+        in the store. After an asynchronous failover the new primary can hold less than
+        the lost one acknowledged, and an aggregate this process read from the lost one
+        (cached, or loaded by a command that was running across the reconnection) is
+        ahead of the store: its next event would leave a gap in its stream (versions
+        that are nowhere), which the unique (id, version) key does not refuse. Such a
+        save is a lost race: the cache is forgotten and the command runs again on what
+        the store holds (``IntegrityError``, retried by :mod:`..retrying`)."""
+        first: dict[UUID, int] = {}
+        for event in events:
+            version = int(event.originator_version)
+            first[event.originator_id] = min(first.get(event.originator_id, version), version)
+        following = [stream for stream, version in first.items() if version > 1]
+        stored = last_versions(self.recorder, following)
+        behind = [s for s in following if stored.get(s, 0) < first[s] - 1]
+        if behind:
+            self.forget_cached()
+            raise IntegrityError(
+                f"{len(behind)} aggregate(s) ahead of the store (read before the failover), "
+                f"e.g. {behind[0]} at version {first[behind[0]] - 1}, the store at "
+                f"{stored.get(behind[0], 0)}"
+            )
 
     def _take_snapshots(self, processing_event: ProcessingEvent[UUID]) -> None:
         """Snapshot each saved aggregate whose new events passed a multiple of its

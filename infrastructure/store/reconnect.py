@@ -137,6 +137,12 @@ class Reconnect:
                 self.lost(error)
             raise
 
+    def ready(self) -> None:
+        """Wait for a writable server if the store is known to be down (as the next
+        connection would): CellUnavailableError if none comes in time."""
+        if self._down_since is not None:
+            self._await_primary()
+
     def lost(self, error: BaseException) -> None:
         if self._down_since is None:
             self._down_since = self._clock()
