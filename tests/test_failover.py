@@ -209,13 +209,15 @@ def test_an_aggregate_read_before_an_async_failover_writes_no_gap_after_it(
         standby.start()
         standby.promote()
         found = app.get_assignment("sbx-0000")  # reconnected: assigned, not running
-        assert found is not None and (found.id, found.state) == (placed.id, "assigned")
+        assert found is not None
+        assert (found.id, found.state) == (placed.id, "assigned")
         app.repository.cache.put(stream, ahead)  # that command puts it back
         app.release("sbx-0000", placed.generation, token, PROOF)
         versions = [e.originator_version for e in app.recorder.select_events(stream)]
         assert versions == list(range(1, len(versions) + 1))  # no gap
         released = app.get_assignment("sbx-0000")
-        assert released is not None and released.state == "released"
+        assert released is not None
+        assert released.state == "released"
         assert verify(app, measure_raw=False).ok
     finally:
         app.close()
