@@ -107,6 +107,14 @@ class LocalCluster:
                 conf.write(f"{key} = '{value}'\n")
 
     def start(self) -> None:
+        """``pg_ctl start``. After a kill, the lock file names a postmaster that is gone
+        but may not yet be reaped (a zombie, which PostgreSQL takes for a live one):
+        those lock files (the data directory's, the socket's) are removed first."""
+        locks = [self.data / "postmaster.pid", self.directory / f".s.PGSQL.{self.port}.lock"]
+        for lock in locks:
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                if not alive(int(lock.read_text().splitlines()[0])):
+                    lock.unlink()
         run([str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-w", "-t",
              "60", "start"], self.directory / "commands.log")  # fmt: skip
 
