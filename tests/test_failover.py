@@ -18,6 +18,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -204,7 +205,7 @@ def test_an_aggregate_read_before_an_async_failover_writes_no_gap_after_it(
         standby.stop()
         app.mark_running("sbx-0000", placed.generation, token)  # only on `old`
         stream = sandbox_uuid("sbx-0000")
-        ahead = app.repository.get(stream)  # as a command in flight holds it
+        ahead: Any = app.repository.get(stream)  # as a command in flight holds it
         old.kill()
         with pytest.raises(CellUnavailableError):
             app.get_runner("runner-00")
@@ -213,7 +214,9 @@ def test_an_aggregate_read_before_an_async_failover_writes_no_gap_after_it(
         found = app.get_assignment("sbx-0000")  # reconnected: assigned, not running
         assert found is not None
         assert (found.id, found.state) == (placed.id, "assigned")
-        app.repository.cache.put(stream, ahead)  # that command puts it back
+        cache = app.repository.cache
+        assert cache is not None
+        cache.put(stream, ahead)  # that command puts it back
         app.release("sbx-0000", placed.generation, token, PROOF)
         versions = [e.originator_version for e in app.recorder.select_events(stream)]
         assert versions == list(range(1, len(versions) + 1))  # no gap

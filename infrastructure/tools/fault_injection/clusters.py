@@ -189,6 +189,18 @@ class LocalCluster:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
+def kill_clusters_under(directory: Path) -> int:
+    """SIGKILL every cluster whose data directory is under ``directory`` (the servers a
+    run started, found by their lock files, also one that an interruption left
+    unrecorded); how many."""
+    killed = 0
+    for lock in directory.glob("**/postmaster.pid"):
+        cluster = LocalCluster.__new__(LocalCluster)
+        cluster.data = lock.parent
+        killed += cluster.kill()
+    return killed
+
+
 def children(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (from /proc)."""
     found = []

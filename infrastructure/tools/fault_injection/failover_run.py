@@ -48,7 +48,10 @@ from secondbox_scheduler.domain.errors import SchedulerError
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit.verify import checkpoint, parse_checkpoint, verify
 from secondbox_scheduler.infrastructure.store.cell_unavailable import CellUnavailableError
-from secondbox_scheduler.infrastructure.tools.fault_injection.clusters import clusters_directory
+from secondbox_scheduler.infrastructure.tools.fault_injection.clusters import (
+    clusters_directory,
+    kill_clusters_under,
+)
 from secondbox_scheduler.infrastructure.tools.fault_injection.failover_cells import (
     FailoverCell,
     ManualCell,
@@ -137,11 +140,11 @@ class Cleanup:
     """What the run started, removed once: at the end, on a signal, or at exit."""
 
     def __init__(self) -> None:
-        self.steps: list[Callable[[], None]] = []
+        self.steps: list[Callable[[], object]] = []
         self.done = False
         self.previous: dict[int, Any] = {}
 
-    def add(self, step: Callable[[], None]) -> None:
+    def add(self, step: Callable[[], object]) -> None:
         self.steps.append(step)
 
     def run(self) -> None:
@@ -269,6 +272,7 @@ def run_failover(
 
     cleanup.add(drop_logs)
     cleanup.add(lambda: shutil.rmtree(directory, ignore_errors=True))
+    cleanup.add(lambda: kill_clusters_under(directory))  # one an interruption left unnamed
     with cleanup.installed():
         cells = make_cells(config, directory, cleanup, say)
         described = setup_fleet(config, cells)

@@ -81,12 +81,16 @@ class Etcd:
              "--enable-v2=true"],
             stdout=subprocess.DEVNULL, stderr=self.log.open("ab"), start_new_session=True,
         )  # fmt: skip
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            health = f"http://127.0.0.1:{self.port}/health"
-            with contextlib.suppress(OSError), urllib.request.urlopen(health, timeout=1):
-                return
-            time.sleep(0.2)
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                health = f"http://127.0.0.1:{self.port}/health"
+                with contextlib.suppress(OSError), urllib.request.urlopen(health, timeout=1):
+                    return
+                time.sleep(0.2)
+        except BaseException:
+            self.stop()
+            raise
         self.stop()
         raise RuntimeError(f"etcd did not start (see {self.log})")
 
