@@ -8,13 +8,15 @@ binaries on free ports (:mod:`.failover_cells`), managed by Patroni over a local
 starts worker processes (:mod:`.failover_worker`), each with a router of its own over
 both cells, that place, release and advance their sandboxes in both, journaling every
 acknowledged answer; random workers are SIGKILLed and restarted. At a third of the run it
-takes each cell's audit checkpoint (kept here, outside the cells), then SIGKILLs cell
-``a``'s leader (its PostgreSQL and its Patroni) and lets the standby take over; the
-routers follow through the multi-host URL. Then it checks:
+partitions the replication link of cell ``a``'s leader for ``LAG_SECONDS`` (a standby
+that lags, :mod:`.link`), takes each cell's audit checkpoint (kept here, outside the
+cells), then SIGKILLs cell ``a``'s leader (its PostgreSQL and its Patroni) and lets the
+standby take over; the routers follow through the multi-host URL. Then it checks:
 
 - no acknowledged placement is lost (each is in its cell's store with the same
   assignment id and token), with synchronous replication; with asynchronous
-  replication it counts the lost ones, and the checkpoint check must detect a loss;
+  replication it counts the lost ones, the checkpoint check must detect a loss, and
+  every command must refuse each lost one's fencing token;
 - no runner is oversubscribed (each runner's reservations within its allocatable);
 - each cell's audit verifies, also against the checkpoint taken before the failover;
 - the other cell kept placing during the outage (from the kill to cell ``a``'s first
