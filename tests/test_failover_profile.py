@@ -52,7 +52,7 @@ def test_the_manual_failover_profile_loses_nothing_with_a_synchronous_standby(
     run_directory: Path,
 ) -> None:
     result = subprocess.run(
-        [*COMMAND, "--duration", "15", "--json"], capture_output=True, text=True,
+        [*COMMAND, "--duration", "20", "--json"], capture_output=True, text=True,
         timeout=240, check=False, env={**os.environ, "TMPDIR": str(run_directory)},
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
