@@ -130,7 +130,7 @@ class StoredApplication(Application[UUID]):
         primary disappears (:mod:`.reconnect`)."""
         factory = super().construct_factory(env)
         datastore = getattr(factory, "datastore", None)
-        self.reconnect = install_reconnect(datastore, env, str(env.get(CELL) or DEFAULT_CELL))
+        self.reconnect = install_reconnect(datastore, env, env.get(CELL) or None)
         if self.reconnect is not None:
             self.reconnect.on_recovered.append(self.forget_cached)
         return factory

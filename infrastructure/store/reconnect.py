@@ -19,7 +19,8 @@ off for minutes. :class:`Reconnect` sits on the store's connections (the datasto
   with it), the application forgets what it cached of the old server (``on_recovered``:
   its aggregates, which after an asynchronous failover can be ahead of the promoted
   log: a command must decide on what the new primary holds), and the command goes on;
-- none in time: :class:`CellUnavailableError` naming the cell (``SECONDBOX_CELL``), at
+- none in time: :class:`CellUnavailableError` naming the cell (``SECONDBOX_CELL``; a
+  store that is no cell: ``StoreUnavailableError``, reason ``unavailable``), at
   once for every later call too, each of which tries one connection first (callers that
   waited while another tried take its answer), so that the store is found again as soon
   as it is back.
@@ -45,6 +46,7 @@ from eventsourcing.persistence import InterfaceError, OperationalError
 from eventsourcing.postgres import PostgresDatastore
 from psycopg_pool import PoolTimeout
 
+from secondbox_scheduler.domain.errors import SchedulerError
 from secondbox_scheduler.infrastructure.store.cell_unavailable import CellUnavailableError
 from secondbox_scheduler.infrastructure.store.startup import (
     StoreUnavailableError,
@@ -96,7 +98,7 @@ class Reconnect:
         self,
         datastore: PostgresDatastore,
         settings: Mapping[str, str],
-        cell: str,
+        cell: str | None,
         budget: float,
         *,
         sleep: Callable[[float], None] = time.sleep,
@@ -147,7 +149,7 @@ class Reconnect:
         if self._down_since is None:
             self._down_since = self._clock()
             self._last_error = " ".join(str(error).split())[:300]
-            log.warning("cell %r: store connection lost (%s)", self.cell, self._last_error)
+            log.warning("%s: store connection lost (%s)", self._name, self._last_error)
 
     def _probe(self) -> bool:
         self._last_probe = self._clock()
@@ -180,12 +182,18 @@ class Reconnect:
                 self._sleep(min(self._rng.uniform(0.0, ceiling), deadline - now))
                 attempt += 1
 
-    def _unavailable(self) -> CellUnavailableError:
-        return CellUnavailableError(
-            self.cell,
-            f"no writable server for {self.budget:g} s: {self._last_error}",
-            target=postgres_target(self.settings),
-        )
+    @property
+    def _name(self) -> str:
+        return "store" if self.cell is None else f"cell {self.cell!r}"
+
+    def _unavailable(self) -> SchedulerError:
+        """CellUnavailableError naming the cell; a store that is no cell (no
+        ``SECONDBOX_CELL``): StoreUnavailableError, as before any reconnection."""
+        detail = f"no writable server for {self.budget:g} s: {self._last_error}"
+        target = postgres_target(self.settings)
+        if self.cell is None:
+            return StoreUnavailableError("unavailable", target, detail)
+        return CellUnavailableError(self.cell, detail, target=target)
 
     def _recovered(self) -> None:
         """A writable server answers: a fresh pool (the old one's connections are of
@@ -196,7 +204,7 @@ class Reconnect:
             forget()
         self._down_since = None
         self.reconnects += 1
-        log.warning("cell %r: store reconnected", self.cell)
+        log.warning("%s: store reconnected", self._name)
         threading.Thread(target=old.close, kwargs={"timeout": 1.0}, daemon=True).start()
 
 
@@ -212,7 +220,7 @@ def fresh_pool(old: Any) -> Any:
     )  # fmt: skip
 
 
-def install_reconnect(datastore: Any, env: Mapping[str, Any], cell: str) -> Reconnect | None:
+def install_reconnect(datastore: Any, env: Mapping[str, Any], cell: str | None) -> Reconnect | None:
     """Put the reconnection policy on a PostgreSQL datastore (None for other stores), and
     the URL's ``target_session_attrs`` and the connect timeout on its connections."""
     if not isinstance(datastore, PostgresDatastore):
