@@ -48,7 +48,7 @@ commands = typer.Typer()
         "Patroni over a local etcd (--promote patroni, the default; "
         "scripts/failover-deps.sh installs both) or promoted with pg_ctl (--promote "
         "manual); workers place through cell routers over both cells while cell a's "
-        "leader is SIGKILLed; then no acknowledged placement lost (async: how many, and "
+        "leader is SIGKILLed (its standby cut off for the 3 s before); then no acknowledged placement lost (async: how many, and "
         "whether the checkpoint check saw it), no runner oversubscribed, each cell's audit "
         "clean against a checkpoint taken before the failover, the other cell placing "
         "during the outage. It ignores --database-url and removes its clusters at the end, "
