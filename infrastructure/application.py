@@ -160,6 +160,14 @@ class SchedulerApplication(StoredApplication):
             if metrics_registry is not None:
                 self.attach_metrics(metrics_registry)
 
+    def forget_cached(self) -> None:
+        """After a reconnection: the aggregates cached and the runner-lock sessions
+        are of the lost server."""
+        super().forget_cached()
+        locks = getattr(self, "runner_locks", None)
+        if locks is not None:
+            locks.reset()
+
     def close(self) -> None:
         locks = getattr(self, "runner_locks", None)
         if locks is not None:

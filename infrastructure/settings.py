@@ -66,6 +66,10 @@ POSTGRES_SETTINGS = (
 # libpq's target_session_attrs (a multi-host URL's ``?target_session_attrs=read-write``):
 # which of the URL's hosts a connection may settle on.
 TARGET_SESSION_ATTRS = "POSTGRES_TARGET_SESSION_ATTRS"
+# The name of the cell this application's store is (docs/operations.md, "Cells"), named
+# by the CellUnavailableError of its reconnection (store/reconnect.py); "default" unset.
+CELL = "SECONDBOX_CELL"
+DEFAULT_CELL = "default"
 TARGET_SESSION_ATTRS_VALUES = (
     "any", "read-write", "read-only", "primary", "standby", "prefer-standby",
 )  # fmt: skip

@@ -32,7 +32,7 @@ from eventsourcing.persistence import InterfaceError, OperationalError
 
 from secondbox_scheduler.infrastructure.application import SchedulerApplication, system_now
 from secondbox_scheduler.infrastructure.cells.config import Cell, CellsConfig
-from secondbox_scheduler.infrastructure.settings import DATABASE_URL
+from secondbox_scheduler.infrastructure.settings import CELL, DATABASE_URL
 from secondbox_scheduler.infrastructure.store.cell_unavailable import CellUnavailableError
 from secondbox_scheduler.infrastructure.store.startup import (
     DEFAULT_CONNECT_TIMEOUT_SECONDS,
@@ -121,7 +121,7 @@ class CellSet:
 
     def _application_of(self, cell: Cell) -> SchedulerApplication:
         return SchedulerApplication(
-            env={**self._env, DATABASE_URL: cell.database_url}, now=self._now
+            env={**self._env, DATABASE_URL: cell.database_url, CELL: cell.name}, now=self._now
         )
 
     def application(self, cell: str) -> SchedulerApplication:
@@ -190,6 +190,9 @@ class CellSet:
             except FutureTimeout:
                 app.probe_store()  # the cell answers: the operation is only slow
                 return future.result()
+        except CellUnavailableError:
+            self._suspect.add(cell)  # the store's reconnection gave up: probe it next
+            raise
         except UNAVAILABLE as error:
             raise self._unavailable(cell, error) from None
 

@@ -142,6 +142,14 @@ class RunnerLocks:
                 self._pool.close()
                 self._pool = None
 
+    def reset(self) -> None:
+        """A new lock pool on next use (the store reconnected to another server: the
+        old sessions, and their locks, are gone); the old one closes in the background."""
+        with self._pool_lock:
+            old, self._pool = self._pool, None
+        if old is not None:
+            threading.Thread(target=old.close, kwargs={"timeout": 1.0}, daemon=True).start()
+
     def _release(self, connection: psycopg.Connection[Any]) -> None:
         """Release every lock of the session and return its connection to the lock pool;
         a release that fails or is interrupted ends the session (and its locks): the

@@ -12,13 +12,24 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, TypeVar
 from uuid import UUID
 
-from eventsourcing.application import AggregateNotFoundError, Application, ProcessingEvent
+from eventsourcing.application import (
+    AggregateNotFoundError,
+    Application,
+    LRUCache,
+    ProcessingEvent,
+)
 from eventsourcing.domain import Snapshot
-from eventsourcing.persistence import ApplicationRecorder, EventStore, IntegrityError, Mapper
+from eventsourcing.persistence import (
+    ApplicationRecorder,
+    EventStore,
+    InfrastructureFactory,
+    IntegrityError,
+    Mapper,
+)
 from eventsourcing.postgres import PostgresDatastore
 from eventsourcing.sqlite import SQLiteDatastore
 from eventsourcing.utils import EnvType, strtobool
@@ -33,9 +44,11 @@ from secondbox_scheduler.infrastructure.acting import (
 from secondbox_scheduler.infrastructure.settings import (
     APPLICATION_RECORDER_TOPIC,
     AUDIT_KEY,
+    CELL,
     CHAIN,
     CHAINED_RECORDERS,
     DATABASE_URL,
+    DEFAULT_CELL,
     POSTGRES_MODULE,
     POSTGRES_SETTINGS,
     SQLITE_MODULE,
@@ -47,6 +60,7 @@ from secondbox_scheduler.infrastructure.store.chained_postgres import ChainedPos
 from secondbox_scheduler.infrastructure.store.encoding import EventMapper
 from secondbox_scheduler.infrastructure.store.fast_forward import load_many
 from secondbox_scheduler.infrastructure.store.probe import probe_store
+from secondbox_scheduler.infrastructure.store.reconnect import Reconnect, install_reconnect
 from secondbox_scheduler.infrastructure.store.sealed_postgres import SealedPostgresSnapshots
 from secondbox_scheduler.infrastructure.store.sealed_snapshots import SealedSnapshots
 from secondbox_scheduler.infrastructure.store.sealed_sqlite import SealedSQLiteSnapshots
@@ -73,6 +87,7 @@ class StoredApplication(Application[UUID]):
     """An eventsourcing application on the scheduler's store (no commands)."""
 
     _may_create = True
+    reconnect: Reconnect | None = None
 
     def __init__(self, env: EnvType | None = None) -> None:
         super().__init__(env)
@@ -104,6 +119,35 @@ class StoredApplication(Application[UUID]):
         elif module == SQLITE_MODULE:
             check_sqlite(planned.get("SQLITE_DBNAME") or "")
         yield
+
+    @property
+    def cell(self) -> str:
+        """The name of the cell this store is (``SECONDBOX_CELL``; ``default``)."""
+        return str(self.env.get(CELL) or DEFAULT_CELL)
+
+    def construct_factory(self, env: Any) -> InfrastructureFactory:
+        """The library's factory; on PostgreSQL its connections reconnect after the
+        primary disappears (:mod:`.reconnect`)."""
+        factory = super().construct_factory(env)
+        datastore = getattr(factory, "datastore", None)
+        self.reconnect = install_reconnect(datastore, env, env.get(CELL) or None)
+        if self.reconnect is not None:
+            self.reconnect.on_recovered.append(self.forget_cached)
+        return factory
+
+    def forget_cached(self) -> None:
+        """Drop what this process holds of the store in memory (after a reconnection:
+        the new primary may hold less than the lost one acknowledged)."""
+        cache = getattr(getattr(self, "repository", None), "cache", None)
+        if cache is None:
+            return
+        # the library's LRUCache.clear() only resets its queue: empty its dict too
+        lock = getattr(cache, "lock", None)
+        with lock if lock is not None else nullcontext():
+            cache.cache.clear()
+            if isinstance(cache, LRUCache):
+                cache.clear()
+                cache.full = False
 
     def construct_env(self, name: str, env: EnvType | None = None) -> Any:
         environment = super().construct_env(name, env)
@@ -179,9 +223,16 @@ class StoredApplication(Application[UUID]):
 
     # -- loading ---------------------------------------------------------------
 
+    def _cache_current(self) -> None:
+        """Before the cache is read: a store known to be down is reconnected first (and
+        the cache forgotten), so that no cached aggregate of a lost primary answers."""
+        if self.reconnect is not None:
+            self.reconnect.ready()
+
     def load(self, aggregate_id: UUID, kind: type[A], *, copy: bool = True) -> A | None:
         """The aggregate, or None. ``copy=False`` returns the cached instance itself:
         only for reading a few scalar fields, never for commands."""
+        self._cache_current()
         try:
             aggregate: object = self.repository.get(aggregate_id, deepcopy_from_cache=copy)
         except AggregateNotFoundError:
@@ -191,6 +242,7 @@ class StoredApplication(Application[UUID]):
 
     def load_stored(self, aggregate_id: UUID) -> Any | None:
         """The aggregate as stored now (the cached instance: read, never command)."""
+        self._cache_current()
         try:
             return self.repository.get(aggregate_id, deepcopy_from_cache=False)
         except AggregateNotFoundError:
@@ -200,6 +252,7 @@ class StoredApplication(Application[UUID]):
         self, aggregate_ids: Sequence[UUID], *, cache_new: bool = True
     ) -> dict[UUID, Any]:
         """Up-to-date copies of many aggregates in two queries (:mod:`.fast_forward`)."""
+        self._cache_current()
         return load_many(self, aggregate_ids, cache_new=cache_new)
 
     def cache_committed(self, aggregates: Sequence[Any]) -> None:
@@ -232,6 +285,8 @@ class StoredApplication(Application[UUID]):
         The request-serving role may not insert a snapshot otherwise
         (docs/operations.md)."""
         stamp(processing_event.events, current_actor() or self.default_actor)
+        if self.reconnect is not None and self.reconnect.reconnects:
+            self._refuse_gaps(processing_event.events)
         events_recorder, snapshots = self.recorder, self.snapshots
         if (
             snapshots is not None
@@ -245,6 +300,30 @@ class StoredApplication(Application[UUID]):
                 stored = [snapshots.mapper.to_stored_event(snapshot) for snapshot in taken]
                 processing_event.saved_kwargs["snapshots"] = snapshots.recorder.within(stored)
         return super()._record(processing_event)
+
+    def _refuse_gaps(self, events: Sequence[Any]) -> None:
+        """After a reconnection, before each save: every aggregate's previous version is
+        in the store. After an asynchronous failover the new primary can hold less than
+        the lost one acknowledged, and an aggregate this process read from the lost one
+        (cached, or loaded by a command that was running across the reconnection) is
+        ahead of the store: its next event would leave a gap in its stream (versions
+        that are nowhere), which the unique (id, version) key does not refuse. Such a
+        save is a lost race: the cache is forgotten and the command runs again on what
+        the store holds (``IntegrityError``, retried by :mod:`..retrying`)."""
+        first: dict[UUID, int] = {}
+        for event in events:
+            version = int(event.originator_version)
+            first[event.originator_id] = min(first.get(event.originator_id, version), version)
+        following = [stream for stream, version in first.items() if version > 1]
+        stored = last_versions(self.recorder, following)
+        behind = [s for s in following if stored.get(s, 0) < first[s] - 1]
+        if behind:
+            self.forget_cached()
+            raise IntegrityError(
+                f"{len(behind)} aggregate(s) ahead of the store (read before the failover), "
+                f"e.g. {behind[0]} at version {first[behind[0]] - 1}, the store at "
+                f"{stored.get(behind[0], 0)}"
+            )
 
     def _take_snapshots(self, processing_event: ProcessingEvent[UUID]) -> None:
         """Snapshot each saved aggregate whose new events passed a multiple of its

@@ -18,8 +18,11 @@ class CellUnavailableError(SchedulerError):
 
     retryable = True
 
-    def __init__(self, cell: str, detail: str = "") -> None:
+    def __init__(self, cell: str, detail: str = "", *, target: str = "") -> None:
         self.cell = cell
         self.detail = detail
+        self.target = target  # where its store is (never a password), if known
         message = f"SecondBox scheduler cell {cell!r} unavailable"
+        if target:
+            message = f"{message} ({target})"
         super().__init__(f"{message}: {detail}" if detail else message)

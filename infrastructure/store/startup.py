@@ -74,10 +74,16 @@ class StoreUnavailableError(SchedulerError):
 def postgres_target(settings: Mapping[str, str]) -> str:
     """Where a PostgreSQL store is, for messages (never its password)."""
     user = settings.get("POSTGRES_USER", "")
-    host = settings.get("POSTGRES_HOST", "")
-    return f"postgresql://{user}@{host}:{settings.get('POSTGRES_PORT', '5432')}/" + (
-        settings.get("POSTGRES_DBNAME", "")
+    hosts = (settings.get("POSTGRES_HOST") or "").split(",")
+    ports = (settings.get("POSTGRES_PORT") or "5432").split(",")
+    ports += ports[-1:] * (len(hosts) - len(ports))  # libpq: one port for every host
+    places = ",".join(
+        f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        for host, port in zip(hosts, ports, strict=False)
     )
+    attrs = settings.get("POSTGRES_TARGET_SESSION_ATTRS")
+    query = f"?target_session_attrs={attrs}" if attrs else ""
+    return f"postgresql://{user}@{places}/{settings.get('POSTGRES_DBNAME', '')}{query}"
 
 
 def connect_timeout(settings: Mapping[str, str]) -> int:
