@@ -93,7 +93,9 @@ def main(results: Path, equivalents: Path, seconds: int, sampled: Path | None = 
 
 if __name__ == "__main__":
     if sys.argv[1] == "--sample":
-        print("\n".join(sample(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:])))
+        print(
+            "\n".join(sample(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]))
+        )
         sys.exit(0)
     sampled_names = Path(sys.argv[4]) if len(sys.argv) > 4 else None
     sys.exit(main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sampled_names))
