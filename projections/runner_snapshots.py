@@ -89,6 +89,10 @@ class RunnerSnapshotsView(SqlView):
     # Dialect of the candidate queries (projections/candidates.py).
     id_order: ClassVar[str] = "runner_id"  # ordered like Python's str (code points)
     contains: ClassVar[str] = "INSTR({column}, %s) > 0"  # case-sensitive substring test
+    # A subquery the planner must not merge into the outer query (its expressions are
+    # computed once per row), and text compared byte by byte (projections/unmatched.py).
+    subquery_fence: ClassVar[str] = " LIMIT -1 OFFSET 0"
+    byte_collation: ClassVar[str] = ""  # SQLite's default, BINARY
 
     def snapshot(self, runner_id: str) -> RunnerSnapshot | None:
         rows = self.query(
@@ -168,6 +172,8 @@ class PostgresRunnerSnapshotsView(RunnerSnapshotsView, PostgresSqlView):
     )
     id_order = 'runner_id COLLATE "C"'  # byte order of UTF-8 = Python's str order
     contains = "STRPOS({column}, %s) > 0"
+    subquery_fence = " OFFSET 0"
+    byte_collation = ' COLLATE "C"'
     series = "generate_series(1, %s) AS n(i)"
 
     def materialization_test(self, runtime: str, toolchain: str) -> tuple[str, list[Any]]:

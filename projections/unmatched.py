@@ -57,6 +57,7 @@ from secondbox_scheduler.domain.placement.rules import (
 from secondbox_scheduler.domain.values import Requirements, RunnerSnapshot
 from secondbox_scheduler.projections.candidates import (
     DIMENSIONS,
+    PoolCounts,
     locality_bound,
     pool_counts,
     prefilter_rules,
@@ -162,6 +163,7 @@ class _Sql:
         # (no preferred digest: no locality term, which SQLite would read as a column number)
         locality = [] if self.locality == "0" else [f"{self.locality} DESC"]
         self.order = ", ".join([*locality, *free, view.id_order])
+        self.fence = view.subquery_fence
 
     def _best_passing(
         self, extra: str, extra_params: list[Any], limit: int
@@ -192,6 +194,37 @@ class _Sql:
             f"UNION ALL SELECT -1, 0, runner_id, {nulls} FROM ({best}) AS best",
             [*self.rule_params, *self.bits_params, self.pool_name, *best_params],
         )
+
+    def alike_survey(self, collate: str) -> tuple[str, list[Any]]:
+        """One row over the pool, with no grouping (so no sort or hash of its rows): its
+        runners, per prefilter rule how many fail it, how many fail any; over the rows
+        that pass the prefilter, one id and the least and the greatest value of each
+        ALIKE column and of the capacity bits (texts compared byte by byte: ``collate``).
+        Least equal to greatest on every column: every passing runner is alike."""
+        rules = ", ".join(
+            f"SUM(CASE WHEN (flags & {1 << index}) <> 0 THEN 1 ELSE 0 END) AS r{index}"
+            for index in range(len(self.rules))
+        )
+        bounds = ", ".join(
+            f"MIN(CASE WHEN flags = 0 THEN {column}{text} END) AS lo_{column}, "
+            f"MAX(CASE WHEN flags = 0 THEN {column}{text} END) AS hi_{column}"
+            for column, text in ((column, collate) for column in ALIKE)
+        )
+        return (
+            "SELECT COUNT(*) AS pool_runners, "
+            "SUM(CASE WHEN flags = 0 THEN 0 ELSE 1 END) AS excluded, "
+            f"MIN(CASE WHEN flags = 0 THEN runner_id END) AS runner_id, {rules}, {bounds}, "
+            "MIN(CASE WHEN flags = 0 THEN cb END) AS lo_cb, "
+            "MAX(CASE WHEN flags = 0 THEN cb END) AS hi_cb "
+            f"FROM (SELECT ({self.flags}) AS flags, runner_id, {', '.join(ALIKE)}, "
+            f"({self.bits}) AS cb FROM {{table}} WHERE pool_name = %s AND deregistered = 0"
+            f"{self.fence}) AS pool",
+            [*self.rule_params, *self.bits_params, self.pool_name],
+        )
+
+    def best(self, limit: int) -> tuple[str, list[Any]]:
+        """The ids of the first ``limit`` passing rows in candidate order."""
+        return self._best_passing("", [], limit)
 
     def first_of(self, groups: list[Group], limit: int) -> tuple[str, list[Any]]:
         """The ids of the first ``limit`` passing rows of these groups, in candidate order."""
@@ -259,13 +292,18 @@ def refusal_candidates(
     counts of the others; ``None`` when a runner is compatible, the groups of alike
     runners are too many or fail different rules, or the read model changed meanwhile."""
     sql = _Sql(view, requirements, now - heartbeat_timeout)
-    rows = view.query(*sql.survey(PREFIX))
-    counts = pool_counts([row for row in rows if row["flags"] >= 0], sql.rules)
-    sizes = {_group(row): row["n"] for row in rows if row["flags"] == 0}
-    if len(sizes) > MAX_GROUPS:
-        return None
-    prefix = [row["runner_id"] for row in rows if row["flags"] < 0]
-    one_each = [row["runner_id"] for row in rows if row["flags"] == 0]
+    surveyed = _alike(view, sql)
+    if surveyed is None:  # passing runners of several kinds: group them
+        rows = view.query(*sql.survey(PREFIX))
+        counts = pool_counts([row for row in rows if row["flags"] >= 0], sql.rules)
+        sizes = {_group(row): row["n"] for row in rows if row["flags"] == 0}
+        if len(sizes) > MAX_GROUPS:
+            return None
+        prefix = [row["runner_id"] for row in rows if row["flags"] < 0]
+        one_each = [row["runner_id"] for row in rows if row["flags"] == 0]
+    else:
+        counts, sizes, one_each = surveyed
+        prefix = [row["runner_id"] for row in view.query(*sql.best(PREFIX))] if sizes else []
     members = _members(view, sql, prefix + one_each, requirements, now, heartbeat_timeout)
     if members is None:
         return None
@@ -305,6 +343,24 @@ def refusal_candidates(
     prefiltered = Unlisted(refused=counts.excluded, reasons=counts.reasons)
     elided = Unlisted(refused=refused, reasons=dict(reasons))
     return [member.snapshot for member in kept], prefiltered.merged(elided)
+
+
+def _alike(
+    view: RunnerSnapshotsView, sql: _Sql
+) -> tuple[PoolCounts, dict[Group, int], list[str]] | None:
+    """The prefilter's counts, and the one group of the runners that pass it (none when
+    none pass) with its size and one runner, from :meth:`_Sql.alike_survey`; ``None``
+    when the passing runners are not all alike."""
+    (row,) = view.query(*sql.alike_survey(view.byte_collation))
+    reasons = {key: row[f"r{index}"] or 0 for index, (key, _, _) in enumerate(sql.rules)}
+    counts = PoolCounts(row["pool_runners"], row["excluded"] or 0, reasons)
+    if not counts.passed:
+        return counts, {}, []
+    columns = (*ALIKE, "cb")
+    if any(row[f"lo_{column}"] != row[f"hi_{column}"] for column in columns):
+        return None
+    group = tuple(row[f"lo_{column}"] for column in columns)
+    return counts, {group: counts.passed}, [row["runner_id"]]
 
 
 def _rank(member: Member) -> RankKey:

@@ -113,10 +113,21 @@ def test_the_refusal_is_the_full_scans(
         taken.append(found is not None)
         return found
 
+    surveys: list[bool] = []  # per survey: all passing runners alike (one statement)
+    alike = unmatched._alike
+
+    def watched_alike(*args: Any) -> Any:
+        found = alike(*args)
+        surveys.append(found is not None)
+        return found
+
     monkeypatch.setattr(unmatched, "refusal_candidates", watched)
+    monkeypatch.setattr(unmatched, "_alike", watched_alike)
     answer = _refusal(app, f"{pool}-a", requirements)
     assert answer == _full_scan(app, f"{pool}-b", requirements)
     event("shortcut" if any(taken) else "paged" if isinstance(answer, str) else "refused, paged")
+    if surveys:
+        event("passing runners alike" if surveys[0] else "passing runners grouped")
 
 
 def _pool(app: SchedulerApplication, clock: Clock, pool: str, size: int) -> None:

@@ -16,6 +16,8 @@ from secondbox_scheduler.domain.placement.evidence import summarize_refusals
 from secondbox_scheduler.domain.placement.rules import select_runner
 from secondbox_scheduler.domain.values import Requirements
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
+from secondbox_scheduler.infrastructure.settings import DATABASE_URL
+from secondbox_scheduler.infrastructure.tools.bench.database import settle
 from secondbox_scheduler.infrastructure.tools.bench.errors import BenchError
 from secondbox_scheduler.infrastructure.tools.bench.fleet import (
     HEARTBEAT_TIMEOUT,
@@ -123,7 +125,8 @@ def measure_large_pool(
     homes a normal request gets, checked against their aggregates), the others rows of
     the read model alone, copies of a registered runner's row with fewer free instances
     (:meth:`RunnerSnapshotsView.copy_row`), written in one statement: registering 50,000
-    runners with their events would take minutes."""
+    runners with their events would take minutes. Then the database is settled
+    (:func:`~secondbox_scheduler.infrastructure.tools.bench.database.settle`)."""
     size, calls = settings.large_pool, settings.large_pool_calls
     pool_name = f"large-{size}"
     progress(f"selection: a pool of {size:,} runners")
@@ -135,6 +138,10 @@ def measure_large_pool(
     app.runner_snapshots(pool_name)  # the read models catch up
     copies = size - len(fleet)
     read_models.runners.copy_row(fleet[0].runner_id, f"{pool_name}-copy-", copies, instances=8)
+    # as before every timed run; here also the planner's statistics, which a pool grown
+    # by registrations has (autoanalyze) and a table filled in one statement lacks
+    settled = settle({DATABASE_URL: app.env[DATABASE_URL]}) if DATABASE_URL in app.env else "-"
+    progress(f"selection: {pool_name} settled ({settled})")
     matched = bench_requirements(pool_name)
     runtime, _ = matched.preferred_artifact_digests
     unmatched = matched.model_copy(
