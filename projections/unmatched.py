@@ -196,29 +196,21 @@ class _Sql:
         )
 
     def alike_survey(self, collate: str) -> tuple[str, list[Any]]:
-        """One row over the pool, with no grouping (so no sort or hash of its rows): its
-        runners, per prefilter rule how many fail it, how many fail any; over the rows
-        that pass the prefilter, one id and the least and the greatest value of each
-        ALIKE column and of the capacity bits (texts compared byte by byte: ``collate``).
-        Least equal to greatest on every column: every passing runner is alike."""
-        rules = ", ".join(
-            f"SUM(CASE WHEN (flags & {1 << index}) <> 0 THEN 1 ELSE 0 END) AS r{index}"
-            for index in range(len(self.rules))
-        )
+        """Per failed-rule bitmask the runners, one id, and the least and the greatest
+        value of each ALIKE column and of the capacity bits (texts compared byte by byte:
+        ``collate``). Least equal to greatest on every column of bitmask 0 (the rows that
+        pass the prefilter): every passing runner is alike. Grouped by the bitmask only:
+        a few groups, whatever the texts."""
         bounds = ", ".join(
-            f"MIN(CASE WHEN flags = 0 THEN {column}{text} END) AS lo_{column}, "
-            f"MAX(CASE WHEN flags = 0 THEN {column}{text} END) AS hi_{column}"
-            for column, text in ((column, collate) for column in ALIKE)
+            f"MIN({column}{collate}) AS lo_{column}, MAX({column}{collate}) AS hi_{column}"
+            for column in ALIKE
         )
         return (
-            "SELECT COUNT(*) AS pool_runners, "
-            "SUM(CASE WHEN flags = 0 THEN 0 ELSE 1 END) AS excluded, "
-            f"MIN(CASE WHEN flags = 0 THEN runner_id END) AS runner_id, {rules}, {bounds}, "
-            "MIN(CASE WHEN flags = 0 THEN cb END) AS lo_cb, "
-            "MAX(CASE WHEN flags = 0 THEN cb END) AS hi_cb "
+            f"SELECT flags, COUNT(*) AS n, MIN(runner_id) AS runner_id, {bounds}, "
+            "MIN(cb) AS lo_cb, MAX(cb) AS hi_cb "
             f"FROM (SELECT ({self.flags}) AS flags, runner_id, {', '.join(ALIKE)}, "
             f"({self.bits}) AS cb FROM {{table}} WHERE pool_name = %s AND deregistered = 0"
-            f"{self.fence}) AS pool",
+            f"{self.fence}) AS pool GROUP BY flags",
             [*self.rule_params, *self.bits_params, self.pool_name],
         )
 
@@ -351,16 +343,17 @@ def _alike(
     """The prefilter's counts, and the one group of the runners that pass it (none when
     none pass) with its size and one runner, from :meth:`_Sql.alike_survey`; ``None``
     when the passing runners are not all alike."""
-    (row,) = view.query(*sql.alike_survey(view.byte_collation))
-    reasons = {key: row[f"r{index}"] or 0 for index, (key, _, _) in enumerate(sql.rules)}
-    counts = PoolCounts(row["pool_runners"], row["excluded"] or 0, reasons)
-    if not counts.passed:
+    rows = view.query(*sql.alike_survey(view.byte_collation))
+    counts = pool_counts(rows, sql.rules)
+    passing = [row for row in rows if row["flags"] == 0]
+    if not passing:
         return counts, {}, []
+    (row,) = passing
     columns = (*ALIKE, "cb")
     if any(row[f"lo_{column}"] != row[f"hi_{column}"] for column in columns):
         return None
     group = tuple(row[f"lo_{column}"] for column in columns)
-    return counts, {group: counts.passed}, [row["runner_id"]]
+    return counts, {group: row["n"]}, [row["runner_id"]]
 
 
 def _rank(member: Member) -> RankKey:
