@@ -19,9 +19,14 @@ that none of 50,000 runners has. Before it, :func:`unmatched_candidates`:
    capabilities, materializations and egress contexts, and (capacity) per dimension
    whether its disk is short and whether the request would pass the reserved-total limit;
    the prefilter's rules pass exactly on the rows that pass it. So runners alike in those
-   columns fail the same rules. One statement gives the prefilter's counts (as
-   ``first_candidates``) and, among the rows that pass it, each group of alike runners'
-   size and its first :data:`EVIDENCE_PER_REASON` ids in candidate order. Only those
+   columns fail the same rules. One statement, grouped by the prefilter's failed-rule
+   bitmask only, gives the prefilter's counts (as ``first_candidates``) and, over the
+   rows that pass it, one id and each ALIKE column's least and greatest value
+   (:meth:`_Sql.alike_survey`): when they are equal, every passing runner is alike, and a
+   second statement reads the first :data:`PREFIX` of them in candidate order. Otherwise
+   one statement gives the counts again and, among the passing rows, each group of alike
+   runners' size and one id, and the first :data:`PREFIX` ids in candidate order
+   (:meth:`_Sql.survey`). Only those
    runners are read and evaluated; per combination of failed rules the first
    :data:`EVIDENCE_PER_REASON` of them are the runners a full scan keeps, and the groups'
    sizes give the counts of the others. The candidates returned are exactly the runners
