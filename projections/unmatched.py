@@ -100,13 +100,10 @@ def may_match(
     digests = requirements.preferred_artifact_digests
     if len(digests) != 2:  # the materialization rule refuses every runner
         return False
+    # the superset tests first: the one a refused request fails is then, on SQLite
+    # (which keeps the order), the only one a row pays for
     where = ["pool_name = %s", "deregistered = 0"]
     params: list[Any] = [requirements.pool_name]
-    for _, condition, condition_params in prefilter_rules(
-        requirements, stale_before, view.contains
-    ):
-        where.append(f"NOT {condition}")
-        params += condition_params
     if CAPABILITY_CLIENT_SELECTED_IMAGE not in requirements.required_capabilities:
         test, test_params = view.materialization_test(*digests)
         where.append(f"({test})")
@@ -120,6 +117,11 @@ def may_match(
         for name in names:
             where.append(view.contains.format(column=column))
             params.append(json.dumps(name))
+    for _, condition, condition_params in prefilter_rules(
+        requirements, stale_before, view.contains
+    ):
+        where.append(f"NOT {condition}")
+        params += condition_params
     rows = view.query(
         f"SELECT 1 AS found FROM {{table}} WHERE {' AND '.join(where)} LIMIT 1", params
     )
