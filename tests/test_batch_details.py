@@ -59,7 +59,7 @@ def test_a_request_that_keeps_losing_is_answered_after_its_retry_limit(
     fleet(app, clock, r1_instances=4)
     store = _Losing(app, losses=100)
     request = schedule_request("a1", clock()).model_copy(update={"serialization_retry_limit": 3})
-    (outcome,) = PlacementBatch(store).run([request])  # type: ignore[arg-type]
+    (outcome,) = PlacementBatch(store).run([request])
     assert isinstance(outcome, SerializationContentionError)
     assert outcome.attempts == 4
     assert store.saves == 4
@@ -72,7 +72,7 @@ def test_the_races_lost_before_a_placement_are_recorded_with_it(
     fleet(app, clock, r1_instances=4)
     store = _Losing(app, losses=2)
     request = schedule_request("a1", clock()).model_copy(update={"serialization_retry_limit": 3})
-    (outcome,) = PlacementBatch(store).run([request])  # type: ignore[arg-type]
+    (outcome,) = PlacementBatch(store).run([request])
     assert isinstance(outcome, tuple)
     assert outcome[1]
     fenced = [
@@ -144,7 +144,7 @@ def test_a_rival_placing_the_same_request_first_is_replayed_not_refused(
     request = schedule_request("a1", clock())
     placed: list[Any] = []
     port = RivalFirst(app, lambda: placed.append(rival.schedule(request)))
-    (outcome,) = PlacementBatch(port).run([request])  # type: ignore[arg-type]
+    (outcome,) = PlacementBatch(port).run([request])
     assert port.fired == 1
     assert placed[0][1]  # the rival created the assignment
     assert isinstance(outcome, tuple)
