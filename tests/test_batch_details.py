@@ -9,9 +9,13 @@ pins down what a surviving mutant of ``batch.py`` changed.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
+import psycopg
+import pytest
 from eventsourcing.persistence import IntegrityError
 
 from secondbox_scheduler.domain.errors import (
@@ -23,7 +27,8 @@ from secondbox_scheduler.domain.refusals import OPERATION_SCHEDULE
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.placing import batch as batch_module
 from secondbox_scheduler.infrastructure.placing.batch import PlacementBatch
-from tests.conftest import Clock, Store
+from secondbox_scheduler.infrastructure.placing.runner_locks import lock_key
+from tests.conftest import Clock, PostgresSchema, Store
 from tests.factories import capacity, create_sandbox, register, schedule_request
 from tests.test_batch_races import RivalFirst, fleet
 
@@ -149,3 +154,57 @@ def test_a_rival_placing_the_same_request_first_is_replayed_not_refused(
     assert placed[0][1]  # the rival created the assignment
     assert isinstance(outcome, tuple)
     assert outcome == (placed[0][0], False)
+
+
+@pytest.mark.postgres
+def test_a_request_decided_again_waits_for_its_runner_and_is_not_deferred(
+    postgres_schema: PostgresSchema, clock: Clock
+) -> None:
+    """A batch of four deferrable requests (one on "hot", three on "cold") loses a race
+    and decides all four again; meanwhile another session holds hot's lock. A request
+    decided again is never deferred: the batch waits for hot's lock (released once it
+    waits) and places all four, where deferring s1 would have left it unanswered."""
+    app = SchedulerApplication(env=postgres_schema.env(), now=clock)
+    try:
+        register(app, "hot", at=clock())
+        create_sandbox(app, "s1")
+        register(app, "cold", at=clock(), allocatable=capacity(instances=8, vcpu_count=16))
+        app.start_drain("hot")
+        for sandbox_id in ("c1", "c2", "c3"):
+            assert create_sandbox(app, sandbox_id) == "cold"
+        app.cancel_drain("hot")
+        key = lock_key(app.runner_locks.namespace, "hot")
+        holder = psycopg.connect(postgres_schema.server.conninfo(), autocommit=True)
+        done = threading.Event()
+
+        class Rival(_Losing):
+            def backoff(self, retry: int) -> None:  # between the rounds: hot is taken
+                super().backoff(retry)
+                holder.execute("SELECT pg_advisory_lock(%s)", (key,))
+                releaser.start()
+
+        def release_once_waited() -> None:
+            unsigned = key & (2**64 - 1)
+            with psycopg.connect(postgres_schema.server.conninfo(), autocommit=True) as conn:
+                while not done.is_set():
+                    row = conn.execute(
+                        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                        "AND NOT granted AND classid = %s AND objid = %s",
+                        (unsigned >> 32, unsigned & (2**32 - 1)),
+                    ).fetchone()
+                    if row is not None and row[0]:
+                        break
+                    time.sleep(0.01)
+            holder.execute("SELECT pg_advisory_unlock(%s)", (key,))
+
+        releaser = threading.Thread(target=release_once_waited, daemon=True)
+        requests = [schedule_request(s, clock()) for s in ("s1", "c1", "c2", "c3")]
+        try:
+            outcomes = PlacementBatch(Rival(app, losses=1)).run_deferring(requests, [True] * 4)
+        finally:
+            done.set()
+            releaser.join(30)
+            holder.close()
+        assert [isinstance(o, tuple) and o[1] for o in outcomes] == [True] * 4
+    finally:
+        app.close()
