@@ -93,6 +93,7 @@ class RunnerSnapshotsView(SqlView):
     # computed once per row), and text compared byte by byte (projections/unmatched.py).
     subquery_fence: ClassVar[str] = " LIMIT -1 OFFSET 0"
     byte_collation: ClassVar[str] = ""  # SQLite's default, BINARY
+    parallel_reads: ClassVar[bool] = False  # two reads at once gain nothing here
 
     def snapshot(self, runner_id: str) -> RunnerSnapshot | None:
         rows = self.query(
@@ -174,6 +175,7 @@ class PostgresRunnerSnapshotsView(RunnerSnapshotsView, PostgresSqlView):
     contains = "STRPOS({column}, %s) > 0"
     subquery_fence = " OFFSET 0"
     byte_collation = ' COLLATE "C"'
+    parallel_reads = True  # a connection each, served by two server processes
     series = "generate_series(1, %s) AS n(i)"
 
     def materialization_test(self, runtime: str, toolchain: str) -> tuple[str, list[Any]]:

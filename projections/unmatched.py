@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -291,18 +292,26 @@ def refusal_candidates(
     counts of the others; ``None`` when a runner is compatible, the groups of alike
     runners are too many or fail different rules, or the read model changed meanwhile."""
     sql = _Sql(view, requirements, now - heartbeat_timeout)
-    surveyed = _alike(view, sql)
-    if surveyed is None:  # passing runners of several kinds: group them
-        rows = view.query(*sql.survey(PREFIX))
-        counts = pool_counts([row for row in rows if row["flags"] >= 0], sql.rules)
-        sizes = {_group(row): row["n"] for row in rows if row["flags"] == 0}
-        if len(sizes) > MAX_GROUPS:
-            return None
-        prefix = [row["runner_id"] for row in rows if row["flags"] < 0]
-        one_each = [row["runner_id"] for row in rows if row["flags"] == 0]
-    else:
-        counts, sizes, one_each = surveyed
-        prefix = [row["runner_id"] for row in view.query(*sql.best(PREFIX))] if sizes else []
+    with ThreadPoolExecutor(max_workers=1) as beside:
+        # where the store serves two reads at once (PostgreSQL: a connection each), the
+        # first passing rows are read beside the alike survey, which needs them (the
+        # grouped survey reads its own: then they are dropped)
+        best = beside.submit(view.query, *sql.best(PREFIX)) if view.parallel_reads else None
+        surveyed = _alike(view, sql)
+        if surveyed is None:  # passing runners of several kinds: group them
+            rows = view.query(*sql.survey(PREFIX))
+            counts = pool_counts([row for row in rows if row["flags"] >= 0], sql.rules)
+            sizes = {_group(row): row["n"] for row in rows if row["flags"] == 0}
+            if len(sizes) > MAX_GROUPS:
+                return None
+            prefix = [row["runner_id"] for row in rows if row["flags"] < 0]
+            one_each = [row["runner_id"] for row in rows if row["flags"] == 0]
+        else:
+            counts, sizes, one_each = surveyed
+            found = best.result() if best is not None else None
+            if found is None and sizes:
+                found = view.query(*sql.best(PREFIX))
+            prefix = [row["runner_id"] for row in found or []] if sizes else []
     members = _members(view, sql, prefix + one_each, requirements, now, heartbeat_timeout)
     if members is None:
         return None
