@@ -23,7 +23,8 @@ that none of 50,000 runners has. Before it, :func:`unmatched_candidates`:
    bitmask only, gives the prefilter's counts (as ``first_candidates``) and, over the
    rows that pass it, one id and each ALIKE column's least and greatest value
    (:meth:`_Sql.alike_survey`): when they are equal, every passing runner is alike, and a
-   second statement reads the first :data:`PREFIX` of them in candidate order. Otherwise
+   second statement reads the first :data:`PREFIX` of them in candidate order (beside the
+   first where the store serves two reads at once: ``parallel_reads``). Otherwise
    one statement gives the counts again and, among the passing rows, each group of alike
    runners' size and one id, and the first :data:`PREFIX` ids in candidate order
    (:meth:`_Sql.survey`). Only those
