@@ -29,6 +29,7 @@ from secondbox_scheduler.infrastructure.store.application_store import StoredApp
 from secondbox_scheduler.projections.candidates import home_candidates
 from secondbox_scheduler.projections.read_models import ReadModels
 from secondbox_scheduler.projections.runner_index import RunnerIndex
+from secondbox_scheduler.projections.unmatched import unmatched_candidates
 
 
 class SchedulerQueries:
@@ -74,12 +75,18 @@ class SchedulerQueries:
         """The runners to evaluate for a home decision, and counts of the pool's others:
         with the read model, the pool's prefiltered candidates a page at a time
         (:func:`secondbox_scheduler.projections.candidates.home_candidates`); without it,
-        every runner of the pool, folded from the aggregates. The runner the rules
-        choose among the read model's candidates is checked against its aggregates
-        first (:mod:`.home_check`): the home recorded is always true by the aggregates."""
+        every runner of the pool, folded from the aggregates. When no runner of the pool
+        may match, the candidates and counts of the refusal a full scan would give,
+        without reading the pool (:mod:`secondbox_scheduler.projections.unmatched`).
+        The runner the rules choose among the read model's candidates is checked
+        against its aggregates first (:mod:`.home_check`): the home recorded is always
+        true by the aggregates."""
         read_models = self.current_read_models()
         if read_models is None:
             return self.fold_runner_snapshots(requirements.pool_name), Unlisted()
+        unmatched = unmatched_candidates(read_models.runners, requirements, now, heartbeat_timeout)
+        if unmatched is not None:  # none may match: the refusal's evidence, and no more
+            return unmatched
         candidates, unlisted = home_candidates(
             read_models.runners, requirements, now, heartbeat_timeout
         )

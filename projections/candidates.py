@@ -20,6 +20,7 @@ fetched are counted in the decision's evidence (``Unlisted``). docs/architecture
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -95,13 +96,13 @@ def first_candidates(
     reason key how many fail that rule) and ``candidate_page(offset=0)``, in one scan of
     the pool: a narrow CTE of (id, failed-rule bitmask, bound keys) feeds both the counts
     per bitmask and the first ``limit`` passing ids; then those rows by primary key."""
-    rules = _prefilter_rules(requirements, stale_before, view.contains)
+    rules = prefilter_rules(requirements, stale_before, view.contains)
     flags = " + ".join(
         f"CASE WHEN {condition} THEN {1 << index} ELSE 0 END"
         for index, (_, condition, _) in enumerate(rules)
     )
     params: list[Any] = [p for _, _, condition_params in rules for p in condition_params]
-    locality, locality_params = _locality_bound(requirements, view.contains)
+    locality, locality_params = locality_bound(requirements, view.contains)
     params += [*locality_params, requirements.pool_name, limit]
     free = {dim: f"(allocatable_{dim} - reserved_{dim})" for dim in DIMENSIONS}
     rows = view.query(
@@ -115,19 +116,8 @@ def first_candidates(
         "LIMIT %s) AS page",
         params,
     )
-    pool_runners = excluded = 0
-    reasons = dict.fromkeys((key for key, _, _ in rules), 0)
-    ids = []
-    for row in rows:
-        if row["flags"] < 0:
-            ids.append(row["runner_id"])
-            continue
-        pool_runners += row["n"]
-        if row["flags"]:
-            excluded += row["n"]
-        for index, (key, _, _) in enumerate(rules):
-            if row["flags"] & (1 << index):
-                reasons[key] += row["n"]
+    ids = [row["runner_id"] for row in rows if row["flags"] < 0]
+    counts = pool_counts([row for row in rows if row["flags"] >= 0], rules)
     page = []
     if ids:
         placeholders = ", ".join("%s" for _ in ids)
@@ -137,7 +127,7 @@ def first_candidates(
             [*locality_params, *ids],
         )
         page = sorted((rank_bound(row), row_to_snapshot(row)) for row in found)
-    return PoolCounts(pool_runners, excluded, reasons), page
+    return counts, page
 
 
 def candidate_page(
@@ -151,13 +141,13 @@ def candidate_page(
     their ranking key (:func:`rank_bound`): artifact locality bounded
     by occurrences of each preferred digest in the JSON text, then free instances,
     vcpu, memory (descending) and id."""
-    rules = _prefilter_rules(requirements, stale_before, view.contains)
+    rules = prefilter_rules(requirements, stale_before, view.contains)
     where = ["pool_name = %s", "deregistered = 0"]
     params: list[Any] = [requirements.pool_name]
     for _, condition, condition_params in rules:
         where.append(f"NOT {condition}")
         params.extend(condition_params)
-    locality, locality_params = _locality_bound(requirements, view.contains)
+    locality, locality_params = locality_bound(requirements, view.contains)
     free = {dim: f"(allocatable_{dim} - reserved_{dim})" for dim in DIMENSIONS}
     rows = view.query(
         f"SELECT *, {locality} AS locality_bound FROM {{table}} "
@@ -182,7 +172,24 @@ class PoolCounts:
         return self.pool_runners - self.excluded
 
 
-def _locality_bound(requirements: Requirements, contains: str) -> tuple[str, list[Any]]:
+def pool_counts(
+    rows: Iterable[Mapping[str, Any]], rules: Sequence[tuple[str, str, list[Any]]]
+) -> PoolCounts:
+    """The counts of rows of (failed-rule bitmask ``flags``, runners ``n``) over
+    ``rules`` (:func:`prefilter_rules`; bit ``i`` is rule ``i``)."""
+    pool_runners = excluded = 0
+    reasons = dict.fromkeys((key for key, _, _ in rules), 0)
+    for row in rows:
+        pool_runners += row["n"]
+        if row["flags"]:
+            excluded += row["n"]
+        for index, (key, _, _) in enumerate(rules):
+            if row["flags"] & (1 << index):
+                reasons[key] += row["n"]
+    return PoolCounts(pool_runners, excluded, reasons)
+
+
+def locality_bound(requirements: Requirements, contains: str) -> tuple[str, list[Any]]:
     """SQL of an upper bound of the artifact locality: per distinct preferred digest,
     the non-overlapping occurrences of its JSON string in the ``artifact_digests`` text
     (every element equal to it is one; docs/architecture.md)."""
@@ -199,7 +206,7 @@ def _locality_bound(requirements: Requirements, contains: str) -> tuple[str, lis
 
 def rank_bound(row: dict[str, Any]) -> RankKey:
     """An upper bound of a row's ranking key (``placement.rank_key``): the locality is
-    bounded above by :func:`_locality_bound`, the other parts are exact."""
+    bounded above by :func:`locality_bound`, the other parts are exact."""
     return (
         -int(row["locality_bound"]),
         -(row["allocatable_instances"] - row["reserved_instances"]),
@@ -216,7 +223,7 @@ def _has_name(contains: str, column: str, name: str) -> tuple[str, list[Any]]:
     return contains.format(column=column), [json.dumps(name)]
 
 
-def _prefilter_rules(
+def prefilter_rules(
     requirements: Requirements, stale_before: datetime, contains: str
 ) -> list[tuple[str, str, list[Any]]]:
     """(reason key, SQL condition true when the runner fails, params) for the rules of

@@ -48,7 +48,7 @@ _RESERVED_OF = tuple(zip(RESERVED, DIMENSIONS, strict=True))
 class RunnerSnapshotsView(SqlView):
     projection_name = "runner_snapshots"
     table = "runner_snapshots"
-    ddl = (
+    ddl: ClassVar[tuple[str, ...]] = (
         "CREATE TABLE IF NOT EXISTS {table} ("
         "runner_id TEXT PRIMARY KEY, stream_id TEXT NOT NULL UNIQUE, "
         "lease_id TEXT NOT NULL UNIQUE, pool_name TEXT NOT NULL, "
@@ -89,6 +89,11 @@ class RunnerSnapshotsView(SqlView):
     # Dialect of the candidate queries (projections/candidates.py).
     id_order: ClassVar[str] = "runner_id"  # ordered like Python's str (code points)
     contains: ClassVar[str] = "INSTR({column}, %s) > 0"  # case-sensitive substring test
+    # A subquery the planner must not merge into the outer query (its expressions are
+    # computed once per row), and text compared byte by byte (projections/unmatched.py).
+    subquery_fence: ClassVar[str] = " LIMIT -1 OFFSET 0"
+    byte_collation: ClassVar[str] = ""  # SQLite's default, BINARY
+    parallel_reads: ClassVar[bool] = False  # two reads at once gain nothing here
 
     def snapshot(self, runner_id: str) -> RunnerSnapshot | None:
         rows = self.query(
@@ -99,14 +104,84 @@ class RunnerSnapshotsView(SqlView):
     def rows(self) -> list[dict[str, Any]]:
         return self.query("SELECT * FROM {table} ORDER BY runner_id")
 
+    # The numbers 1 to %s as a table ``n(i)`` (copy_row).
+    series: ClassVar[str] = (
+        "(WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < %s) "
+        "SELECT i FROM n) AS n"
+    )
+
+    def copy_row(self, runner_id: str, prefix: str, count: int, *, instances: int) -> None:
+        """Write ``count`` copies of a runner's row, ids ``prefix1`` to ``prefix<count>``,
+        offering ``instances``: rows of no stream, for the benchmark's large pool only
+        (``projections verify`` reports them)."""
+        columns = [
+            column
+            for column in (
+                "pool_name",
+                "backend_kind",
+                "architecture",
+                "capabilities",
+                *ALLOCATABLE,
+                *RESERVED,
+                "drain_phase",
+                "last_heartbeat_at",
+                "artifact_digests",
+                "materializations",
+                "supported_egress_contexts",
+                "guest_protocol_minimum",
+                "guest_protocol_maximum",
+                "deregistered",
+                "version",
+                "lease_version",
+            )
+            if column != "allocatable_instances"
+        ]
+        with self.datastore.transaction(commit=True) as cursor:  # type: ignore[attr-defined]
+            cursor.execute(
+                self._sql(
+                    self._format(
+                        "INSERT INTO {table} (runner_id, stream_id, lease_id, "
+                        f"allocatable_instances, {', '.join(columns)}) "
+                        "SELECT CAST(%s AS TEXT) || n.i, 'copy-' || CAST(%s AS TEXT) || n.i, "
+                        "'copy-lease-' || CAST(%s AS TEXT) || n.i, "
+                        f"%s, {', '.join(columns)} FROM {{table}}, {self.series} "
+                        "WHERE runner_id = %s"
+                    )
+                ),
+                (prefix, prefix, prefix, instances, count, runner_id),
+            )
+
+    def materialization_test(self, runtime: str, toolchain: str) -> tuple[str, list[Any]]:
+        """SQL true whenever a row's materializations hold an item of these runtime and
+        toolchain digests (a necessary condition of the materialization rule), and its
+        params: on SQLite both digests' JSON strings in the text."""
+        test = self.contains.format(column="materializations")
+        return f"{test} AND {test}", [json.dumps(runtime), json.dumps(toolchain)]
+
 
 class SQLiteRunnerSnapshotsView(RunnerSnapshotsView, SQLiteSqlView):
     pass
 
 
 class PostgresRunnerSnapshotsView(RunnerSnapshotsView, PostgresSqlView):
+    # The materializations as jsonb, indexed, so that a digest no runner has is found
+    # absent without a scan of the pool (projections/unmatched.py).
+    ddl = (
+        *RunnerSnapshotsView.ddl,
+        "CREATE INDEX IF NOT EXISTS runner_snapshots_materializations "
+        "ON {table} USING gin ((materializations::jsonb) jsonb_path_ops)",
+    )
     id_order = 'runner_id COLLATE "C"'  # byte order of UTF-8 = Python's str order
     contains = "STRPOS({column}, %s) > 0"
+    subquery_fence = " OFFSET 0"
+    byte_collation = ' COLLATE "C"'
+    parallel_reads = True  # a connection each, served by two server processes
+    series = "generate_series(1, %s) AS n(i)"
+
+    def materialization_test(self, runtime: str, toolchain: str) -> tuple[str, list[Any]]:
+        """jsonb containment of an item of both digests: answered by the GIN index."""
+        item = {"runtime_digest": runtime, "toolchain_digest": toolchain}
+        return "(materializations::jsonb) @> %s::jsonb", [json.dumps([item])]
 
 
 def row_to_snapshot(row: dict[str, Any]) -> RunnerSnapshot:

@@ -8,6 +8,8 @@
 #   MUTATION_MODULES="infrastructure/placing/batch.py" \
 #   MUTATION_TESTS="tests/test_batch_races.py tests/test_batching.py" scripts/mutation.sh
 #                                       # one module at a time, with the tests that matter
+#   MUTATION_SAMPLE=60 MUTATION_SEED=1 ...  # a random sample of 60 mutants of each module
+#                                       # (seeded; for runs that would take too long)
 #
 # It creates what it needs: a clone in a work directory, a virtual environment with the
 # project's dependencies and its `test` and `mutation` extras (the project itself is not
@@ -88,11 +90,29 @@ done
 
 export SECONDBOX_HYPOTHESIS_PROFILE=ci
 started=$(date +%s)
-"$WORK/venv/bin/mutmut" run --max-children "$CHILDREN" > "$WORK/mutmut-run.log" 2>&1 || {
+SAMPLED=()
+if [ -n "${MUTATION_SAMPLE:-}" ]; then
+  # Make every mutant and the test statistics, and check none: mutmut checks only the
+  # mutants named on its command line, and stops (after making them, with "nothing
+  # matches") when a name matches none. Then check a seeded random sample of each
+  # module's mutants: the score is the sample's.
+  if "$WORK/venv/bin/mutmut" run --max-children "$CHILDREN" "no-such-mutant" \
+    > "$WORK/mutmut-generate.log" 2>&1 || ! grep -q "nothing matches" "$WORK/mutmut-generate.log"; then
+    tail -n 40 "$WORK/mutmut-generate.log" >&2
+    exit 1
+  fi
+  "$WORK/venv/bin/mutmut" results --all true > "$WORK/all-mutants.txt" 2>&1 || true
+  "$WORK/venv/bin/python" "$ROOT/scripts/mutation_score.py" --sample "$WORK/all-mutants.txt" \
+    "$MUTATION_SAMPLE" "${MUTATION_SEED:-1}" "${MODULES[@]}" > "$WORK/sample.txt"
+  mapfile -t SAMPLED < "$WORK/sample.txt"
+  echo "checking ${#SAMPLED[@]} sampled mutants (list: $WORK/sample.txt)" >&2
+fi
+"$WORK/venv/bin/mutmut" run --max-children "$CHILDREN" "${SAMPLED[@]}" \
+  > "$WORK/mutmut-run.log" 2>&1 || {
   tail -n 40 "$WORK/mutmut-run.log" >&2
   exit 1
 }
 seconds=$(( $(date +%s) - started ))
 "$WORK/venv/bin/mutmut" results --all true > "$WORK/results.txt" 2>&1 || true
 "$WORK/venv/bin/python" "$ROOT/scripts/mutation_score.py" "$WORK/results.txt" \
-  "$ROOT/docs/equivalent-mutants.txt" "$seconds"
+  "$ROOT/docs/equivalent-mutants.txt" "$seconds" ${SAMPLED:+"$WORK/sample.txt"}

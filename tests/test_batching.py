@@ -33,8 +33,11 @@ from secondbox_scheduler.domain.values import Requirements
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit.verify import verify
 from secondbox_scheduler.infrastructure.placing import batcher as batcher_module
-from secondbox_scheduler.infrastructure.placing.batcher import PlacementBatcher
-from secondbox_scheduler.infrastructure.settings import AUDIT_KEY
+from secondbox_scheduler.infrastructure.placing.batcher import (
+    PlacementBatcher,
+    batcher_from_settings,
+)
+from secondbox_scheduler.infrastructure.settings import AUDIT_KEY, BATCH_SIZE
 from secondbox_scheduler.infrastructure.store.chain_tables import seal_table
 from secondbox_scheduler.infrastructure.store.chained_postgres import ChainedPostgresRecorder
 from secondbox_scheduler.infrastructure.store.sealed_postgres import SealedPostgresSnapshots
@@ -489,6 +492,131 @@ def test_an_interrupted_caller_leaves_the_queue_and_passes_the_lead_on(clock: Cl
     thread.start()
     thread.join(10)
     assert done == [("s1", True)]
+
+
+def test_once_joined_a_leader_waits_for_the_pause_not_the_first_wait(
+    clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a batch of 8, two callers come back at once and a third 0.5 s later: the
+    leader, joined, waits on for the pause after the latest arrival (1.5 s), not for the
+    first wait meant for a leader still alone (0.2 s), so the three go in one batch."""
+    monkeypatch.setattr(batcher_module, "REGROUP_WAIT", 0.2)
+    monkeypatch.setattr(batcher_module, "REGROUP_GAP", 1.5)
+    monkeypatch.setattr(batcher_module, "REGROUP_LIMIT", 10.0)
+    rounds = _Rounds(8)
+    answers = rounds.play(clock, [0.0, 0.0, 0.5])
+    assert len(answers) == 11
+    assert sorted(rounds.batches[2]) == ["b0", "b1", "b2"]
+    assert len(rounds.batches) == 3
+
+
+def test_the_batch_size_setting_bounds_every_batch(clock: Clock) -> None:
+    """SECONDBOX_BATCH_SIZE=2: five callers queued behind a running batch are taken two
+    at a time."""
+    batches: list[list[str]] = []
+    first = threading.Event()
+
+    def run(requests: Sequence[ScheduleRequest], *_: Sequence[Any]) -> list[Any]:
+        batches.append([r.sandbox_id for r in requests])
+        if requests[0].sandbox_id == "opener":
+            assert first.wait(10)
+        return [(r.sandbox_id, True) for r in requests]
+
+    batcher = batcher_from_settings({BATCH_SIZE: "2"}, run)
+    assert batcher is not None
+    opener = threading.Thread(
+        target=lambda: batcher.schedule(schedule_request("opener", clock())), daemon=True
+    )
+    opener.start()
+    deadline = time.monotonic() + 20
+    while not batches and time.monotonic() < deadline:
+        time.sleep(0.001)
+    callers = [
+        threading.Thread(
+            target=lambda n=n: batcher.schedule(schedule_request(f"c{n}", clock())), daemon=True
+        )
+        for n in range(5)
+    ]
+    for thread in callers:
+        thread.start()
+    while len(batcher._queue) < 5 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    first.set()
+    for thread in [opener, *callers]:
+        thread.join(10)
+        assert not thread.is_alive()
+    assert [len(batch) for batch in batches] == [1, 2, 2, 1]
+
+
+def test_an_interrupted_waiting_caller_leaves_the_lead_where_it_is(
+    clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller interrupted while it waits behind a running batch (not leading) only
+    leaves the queue: the batch's leader keeps the lead, so a later call waits for that
+    batch instead of running a second batch beside it."""
+    running = threading.Event()
+    release = threading.Event()
+    later_waits = threading.Event()
+    active = [0]
+    overlapped = threading.Event()
+    guard = threading.Lock()
+
+    def run(requests: Sequence[ScheduleRequest], *_: Sequence[Any]) -> list[Any]:
+        with guard:
+            active[0] += 1
+            if active[0] > 1:
+                overlapped.set()
+        try:
+            if requests[0].sandbox_id == "s0":
+                running.set()
+                assert release.wait(10)
+            return [(r.sandbox_id, True) for r in requests]
+        finally:
+            with guard:
+                active[0] -= 1
+
+    original_wait = batcher_module._Signal.wait
+
+    def wait(signal: Any) -> None:
+        name = threading.current_thread().name
+        if name == "interrupted":
+            raise KeyboardInterrupt
+        if name == "later":
+            later_waits.set()
+        original_wait(signal)
+
+    monkeypatch.setattr(batcher_module._Signal, "wait", wait)
+    batcher = PlacementBatcher(run)
+    answers: dict[str, Any] = {}
+    interrupted: list[BaseException] = []
+
+    def call(sandbox_id: str) -> None:
+        try:
+            answers[sandbox_id] = batcher.schedule(schedule_request(sandbox_id, clock()))
+        except KeyboardInterrupt as error:
+            interrupted.append(error)
+
+    leader = threading.Thread(target=call, args=("s0",), daemon=True)
+    leader.start()
+    assert running.wait(10)
+    waiting = threading.Thread(target=call, args=("s1",), name="interrupted", daemon=True)
+    waiting.start()
+    waiting.join(10)
+    assert len(interrupted) == 1
+    assert not batcher._queue
+    later = threading.Thread(target=call, args=("s2",), name="later", daemon=True)
+    later.start()
+    deadline = time.monotonic() + 10
+    while not (later_waits.is_set() or overlapped.is_set()) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert later_waits.is_set()  # queued behind s0's batch
+    assert not overlapped.is_set()
+    release.set()
+    for thread in (leader, later):
+        thread.join(10)
+        assert not thread.is_alive()
+    assert answers == {"s0": ("s0", True), "s2": ("s2", True)}
+    assert not overlapped.is_set()
 
 
 def test_a_batch_answered_with_too_few_outcomes_fails_every_caller_of_it(clock: Clock) -> None:

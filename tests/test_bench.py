@@ -47,6 +47,7 @@ GOALS = {
     "placement_throughput",
     "contention_goodput",
     "selection_scaling",
+    "large_pool_unmatched",
     "history_growth",
     "generation_growth",
     "audit_replay",
@@ -148,6 +149,11 @@ def test_quick_bench_on_sqlite_reports_every_section_and_goal(quick: QuickRun) -
         assert row["new_sandbox_ms"] > 0  # create_sandbox, then schedule placed it
         assert row["new_sandboxes_per_second"] > 0
     assert {"create_sandbox_ratio", "select_runner_ratio", "new_sandbox_ratio"} <= rows[-1].keys()
+    large = report["selection"]["large_pool"]  # refused and homed over one large pool
+    assert large["runners"] == BenchSettings.make(quick=True).large_pool
+    assert large["unmatched_ms"] > 0
+    assert large["matched_ms"] > 0
+    assert large["refusal"].startswith(f"0/{large['runners']} runners are available: ")
 
     history = report["history"]["rows"]
     assert [row["events"] for row in history] == [10, 1_000, 10_000]
@@ -246,7 +252,8 @@ def test_the_tables_show_every_measurement_and_goal(quick: QuickRun) -> None:
     print_report(quick.report, console)
     text = console.export_text()
     for heading in (
-        "Throughput", "over HTTP", "open loop", "Selection", "Loading a runner", "Replay", "Goals",
+        "Throughput", "over HTTP", "open loop", "Selection", "one large pool",
+        "Loading a runner", "Replay", "Goals",
     ):  # fmt: skip
         assert heading in text
     for goal in GOALS:

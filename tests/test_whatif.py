@@ -370,6 +370,39 @@ def test_a_window_replays_only_its_decisions(history: History) -> None:
     assert drained.decisions == later.decisions
 
 
+def test_a_window_ending_at_a_time_stops_the_replay_there(history: History) -> None:
+    """A window bounded by a time inside the history: the replay stops at the first
+    event after it and reports the decisions before it."""
+    whole = replay(history.url)
+    cut = replay(history.url, {"window": {"until": (SIM_START + timedelta(minutes=5)).isoformat()}})
+    assert 0 < cut.decisions < whole.decisions
+    assert cut.reproduced == cut.decisions
+    assert cut.position < whole.position
+
+
+def test_lifecycle_events_count_the_same_decoded_or_not(history: History) -> None:
+    """Every runner drained from the start: no generation is placed, so the lifecycle
+    events of the recorded ones are skipped and counted, the same whether the reader
+    skips decoding them (no time bound) or decodes every event (a window bounded by a
+    time after the history)."""
+    drained = {"drain": [{"runner": runner_id} for runner_id in history.runners]}
+    undecoded = replay(history.url, drained)
+    decoded = replay(history.url, {**drained, "window": {"until": "2100-01-01T00:00:00Z"}})
+    assert undecoded.lifecycle_skipped > 0
+    assert undecoded.to_dict() | {"window": None} == decoded.to_dict() | {"window": None}
+
+
+def test_the_result_reports_its_rate_to_a_tenth(history: History) -> None:
+    app = SchedulerApplication(env={"SECONDBOX_DATABASE_URL": history.url})
+    try:
+        result = whatif(app)
+    finally:
+        app.close()
+    shown = result.to_dict()
+    assert shown["events_per_second"] == round(result.report.events / result.seconds, 1)
+    assert shown["seconds"] == round(result.seconds, 3)
+
+
 # -- a hand-built history ----------------------------------------------------------------
 
 
@@ -543,9 +576,16 @@ def test_a_users_policy_plugs_in_by_object_or_by_name(history: History) -> None:
     assert report.policy == "reverse-ids"
     assert report.to_dict() == replay(history.url, {"policy": "tests.test_whatif:ReverseIds"}
                                       ).to_dict()  # fmt: skip
-    for name in ("nowhere", "tests.test_whatif:Missing", "json:dumps"):
-        with pytest.raises(InvalidRequestError):
+    rules = {
+        "nowhere": "use one of ['binpack', 'seed', 'spread'] or package.module:attribute",
+        "tests.test_whatif:Missing": "cannot load 'tests.test_whatif:Missing'",
+        "json:dumps": "needs `name` and `key(requirements, runner)`",
+    }
+    for name, rule in rules.items():
+        with pytest.raises(InvalidRequestError) as refused:
             resolve_policy(name)
+        assert (refused.value.field, refused.value.value) == ("policy", name)
+        assert refused.value.rule.startswith(rule)
 
 
 # -- the pool view equals decide() ---------------------------------------------------------
@@ -687,9 +727,17 @@ def test_changes_load_from_json_and_yaml(tmp_path: Path) -> None:
     assert loaded[0] == loaded[1] == changes_from(shape)
     (tmp_path / "bad.yaml").write_text("drain: [")
     (tmp_path / "list.json").write_text("[1]")
-    for name in ("bad.yaml", "list.json", "missing.json"):
-        with pytest.raises(InvalidRequestError):
+    rules = {
+        "bad.yaml": "is not valid YAML: ",
+        "list.json": "must hold a mapping of changes",
+        "missing.json": "cannot read ",
+    }
+    for name, rule in rules.items():
+        with pytest.raises(InvalidRequestError) as refused:
             load_changes(tmp_path / name)
+        assert refused.value.field == "changes"
+        assert rule in refused.value.rule
+        assert name in refused.value.rule  # the file is named
 
 
 def test_yaml_without_pyyaml_is_refused_naming_the_extra(
@@ -698,8 +746,10 @@ def test_yaml_without_pyyaml_is_refused_naming_the_extra(
     (tmp_path / "c.yaml").write_text("policy: binpack\n")
     (tmp_path / "c.json").write_text('{"policy": "binpack"}')
     monkeypatch.setitem(sys.modules, "yaml", None)  # import yaml raises ImportError
-    with pytest.raises(InvalidRequestError, match=r"secondbox-scheduler\[yaml\]"):
+    with pytest.raises(InvalidRequestError, match=r"secondbox-scheduler\[yaml\]") as refused:
         load_changes(tmp_path / "c.yaml")
+    assert refused.value.field == "changes"
+    assert refused.value.rule.endswith("or give the changes as a .json file")
     assert load_changes(tmp_path / "c.json") == {"policy": "binpack"}
 
 

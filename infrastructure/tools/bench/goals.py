@@ -8,6 +8,7 @@ from typing import Any
 GOAL_PLACEMENT = 0.5
 GOAL_CONTENTION = 0.3
 GOAL_SELECTION = 3.0
+GOAL_LARGE_POOL_UNMATCHED_MS = 100.0  # create_sandbox refused over 50,000 runners
 GOAL_FLAT_SNAPSHOT = 1.1  # a snapshot may grow by the digits of larger numbers only
 GOAL_HISTORY = 2.0
 GOAL_REPLAY = 0.5
@@ -151,6 +152,19 @@ def evaluate_goals(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
         )
     else:
         goals["selection_scaling"] = _skipped(target)
+
+    large = (selection or {}).get("large_pool")
+    target = f"create_sandbox refused over the large pool <= {GOAL_LARGE_POOL_UNMATCHED_MS:g} ms"
+    if large:
+        goals["large_pool_unmatched"] = _goal(
+            target,
+            large["unmatched_ms"],
+            large["unmatched_ms"] <= GOAL_LARGE_POOL_UNMATCHED_MS,
+            f"{large['runners']:,} runners: refused {large['unmatched_ms']:.1f} ms, "
+            f"homed {large['matched_ms']:.1f} ms (a toolchain digest no runner has)",
+        )
+    else:
+        goals["large_pool_unmatched"] = _skipped(target)
 
     history = report.get("history")
     target = f"largest history load <= {GOAL_HISTORY} x smallest (cold and warm)"

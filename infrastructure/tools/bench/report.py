@@ -174,6 +174,26 @@ def selection_table(report: dict[str, Any]) -> Table | None:
     return table
 
 
+def large_pool_table(report: dict[str, Any]) -> Table | None:
+    large = (report.get("selection") or {}).get("large_pool")
+    if not large:
+        return None
+    table = Table(title="create_sandbox over one large pool (median per call)", box=box.SIMPLE)
+    columns = ("runners", "registered", "calls", "refused ms", "homed ms")
+    for column in columns:
+        table.add_column(column, justify="right")
+    table.add_row(
+        f"{large['runners']:,}",
+        f"{large['registered']:,}",
+        f"{large['calls']:,}",
+        _ms(large["unmatched_ms"]),
+        _ms(large["matched_ms"]),
+    )
+    table.caption = f"refused (a toolchain digest no runner has): {large['refusal']}"
+    table.caption_justify = "left"
+    return table
+
+
 def history_table(report: dict[str, Any]) -> Table | None:
     history = report.get("history")
     if not history:
@@ -337,6 +357,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     for table in (
         throughput_table(report),
         selection_table(report),
+        large_pool_table(report),
         history_table(report),
         generations_table(report),
         replay_table(report),

@@ -49,6 +49,9 @@ class BenchSettings:
     # of 10 and 5 calls moved the 10x ratio from 2.4 to 3.09 between two full runs of
     # the same code (docs/performance.md); 40 calls at 10,000 runners take about 2 s
     create_calls: tuple[int, ...] = (40, 40, 40)
+    # create_sandbox over one pool this large: refused (a digest no runner has), homed
+    large_pool: int = 50_000
+    large_pool_calls: int = 10
     history_sizes: tuple[int, ...] = (10, 1_000, 100_000)
     history_repeat: int = 15
     generation_sizes: tuple[int, ...] = (100, 1_000, 10_000)
@@ -86,6 +89,8 @@ class BenchSettings:
                 selection_sizes=(30, 300, 3_000),
                 select_calls=(20, 10, 5),
                 create_calls=(5, 5, 3),
+                large_pool=5_000,
+                large_pool_calls=3,
                 history_sizes=(10, 1_000, 10_000),
                 history_repeat=7,
                 generation_sizes=(20, 100, 400),
