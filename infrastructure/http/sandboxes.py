@@ -18,6 +18,7 @@ from starlette.responses import Response
 
 from secondbox_scheduler.domain.errors import AssignmentNotFoundError, SandboxNotFoundError
 from secondbox_scheduler.domain.reconcile import ReconcileDecision
+from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit.queries import explain, timeline
 from secondbox_scheduler.infrastructure.http.cells import assignment_list
 from secondbox_scheduler.infrastructure.http.common import (
@@ -116,10 +117,11 @@ async def schedule(sandbox_id: SandboxId, body: ScheduleBody, app: Scheduler) ->
     (``created: false``). Refused placements are 409 with the reasons; a request that
     lost every race of its ``serialization_retry_limit`` is 503."""
     request = body.to_request(sandbox_id)
-    if app.batcher is None:  # one transaction per request: on the thread pool, as before
-        assignment, created = await run_in_threadpool(app.schedule, request)
-    else:  # concurrent requests meet in the batcher without a thread each
+    if isinstance(app, SchedulerApplication) and app.batcher is not None:
+        # concurrent requests meet in the batcher without a thread each
         assignment, created = await app.schedule_async(request)
+    else:  # one transaction per request (or a cell router's): on the thread pool
+        assignment, created = await run_in_threadpool(app.schedule, request)
     return respond(
         ScheduleResult(assignment=AssignmentOut.of(assignment), created=created),
         201 if created else 200,

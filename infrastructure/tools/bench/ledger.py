@@ -70,7 +70,8 @@ def check_ledger(
 
 def failures(report: Mapping[str, Any]) -> list[str]:
     """What in a report must fail the bench (exit 1): a runner oversubscribed, an
-    acknowledged placement lost, the audit of the run's log failed. Empty: none."""
+    acknowledged placement lost, an audit of a bench's log failed (or, from a checkpoint,
+    disagreed with the full audit). Empty: none."""
     found: list[str] = []
     for name, section in report.items():
         if not isinstance(section, Mapping):
@@ -101,4 +102,10 @@ def failures(report: Mapping[str, Any]) -> list[str]:
     one = scale.get("one_runner") if isinstance(scale, Mapping) else None
     if isinstance(one, Mapping) and one.get("violations"):
         found.append(f"audit_scale: audit verify found {one['violations']} violation(s)")
+    since = report.get("since")
+    if isinstance(since, Mapping):
+        if since.get("violations"):
+            found.append(f"since: audit verify found {since['violations']} violation(s)")
+        if since.get("same_findings") is False:
+            found.append("since: audit verify --since found other violations than a full verify")
     return found
