@@ -80,7 +80,7 @@ class SchedulerQueries:
         read_models = self.current_read_models()
         if read_models is None:
             return self.fold_runner_snapshots(requirements.pool_name), Unlisted()
-        candidates, unlisted = home_candidates(
+        candidates, unlisted, floor = home_candidates(
             read_models.runners, requirements, now, heartbeat_timeout
         )
         return checked_home_candidates(
@@ -89,6 +89,7 @@ class SchedulerQueries:
             unlisted,
             now,
             heartbeat_timeout,
+            floor=floor,
             fold_runner=self.fold_runner,
             fold_pool=self.fold_runner_snapshots,
         )
