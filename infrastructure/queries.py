@@ -170,7 +170,7 @@ class SchedulerQueries:
     def current_read_models(self) -> ReadModels | None:
         """The read models, caught up first unless another process maintains them."""
         if self.read_models is not None and self.catch_up_inline:
-            self.read_models.catch_up_shared()
+            self.read_models.catch_up()
         return self.read_models
 
     def wait_for(self, position: int, timeout: float = 5.0) -> None:

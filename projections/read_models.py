@@ -53,7 +53,6 @@ from secondbox_scheduler.projections.runner_snapshots import (
     RunnerSnapshotsView,
     SQLiteRunnerSnapshotsView,
 )
-from secondbox_scheduler.projections.shared_rounds import SharedRounds
 from secondbox_scheduler.projections.sql_view import SqlProjection, SqlView
 from secondbox_scheduler.projections.unknown_events import topics_of_classes
 
@@ -178,7 +177,6 @@ class ReadModels:
         self.skipped = tuple(sorted(frozenset.intersection(*self._ignored_of.values())))
         self._decode = EventDecoder(app.mapper)  # learns each topic once, for every catch-up
         self._lock = threading.Lock()
-        self._rounds = SharedRounds()  # catch_up_shared: one catch-up for concurrent callers
         self._positions_ensured = writes
 
     @property
@@ -255,13 +253,6 @@ class ReadModels:
                     return self._catch_up(until, progress, page_size, asynchronous_commit)
                 except IntegrityError:
                     continue  # another replica applied a page first: read the new positions
-
-    def catch_up_shared(self) -> None:
-        """:meth:`catch_up` to the log's head as of this call, sharing the catch-up with
-        the concurrent callers: those that arrive while one runs wait for the next, which
-        the first of them runs for all (:class:`.shared_rounds.SharedRounds`). Under N
-        concurrent queries, two catch-ups instead of N one after the other."""
-        self._rounds.run(self.catch_up)
 
     def _catch_up(
         self,
