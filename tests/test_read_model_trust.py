@@ -10,6 +10,7 @@ compares the read models with a fold of the log and names every difference.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -121,7 +122,7 @@ def test_a_runner_the_read_model_overrates_is_judged_on_its_aggregates(
     assert by_runner(home_decision(app, "s1")) == by_runner(expected)
 
 
-def by_runner(decision: dict[str, Any]) -> dict[str, Any]:
+def by_runner(decision: Mapping[str, Any]) -> dict[str, Any]:
     """A home decision with its candidates in runner id order."""
     return {**decision, "candidates": sorted(decision["candidates"], key=lambda c: c["runner_id"])}
 
