@@ -13,6 +13,8 @@ and refusal records (:mod:`.refusal_recording`) have modules of their own.
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -64,7 +66,12 @@ from secondbox_scheduler.domain.values import (
     require_text,
 )
 from secondbox_scheduler.infrastructure.counters import SchedulerMetrics
-from secondbox_scheduler.infrastructure.metrics import measured
+from secondbox_scheduler.infrastructure.metrics import (
+    OUTCOME_ERROR,
+    OUTCOME_OK,
+    OUTCOME_REFUSED,
+    measured,
+)
 from secondbox_scheduler.infrastructure.placing.batch import PlacementBatch
 from secondbox_scheduler.infrastructure.placing.batcher import (
     DEFAULT_BATCH_SIZE,
@@ -169,6 +176,9 @@ class SchedulerApplication(StoredApplication):
             locks.reset()
 
     def close(self) -> None:
+        batcher = getattr(self, "batcher", None)
+        if batcher is not None:
+            batcher.close()
         locks = getattr(self, "runner_locks", None)
         if locks is not None:
             locks.close()
@@ -401,6 +411,28 @@ class SchedulerApplication(StoredApplication):
         if isinstance(outcome, SchedulerError):
             raise outcome
         return outcome
+
+    async def schedule_async(self, request: ScheduleRequest) -> tuple[DurableAssignment, bool]:
+        """:meth:`schedule` for a coroutine (the HTTP service): the same checks, the same
+        batches and answers, awaited on the caller's event loop rather than blocking a
+        thread (:meth:`.batcher.PlacementBatcher.schedule_async`). With batching off, the
+        call runs on the loop's default executor, in the caller's context (its actor)."""
+        if self.batcher is None:
+            loop = asyncio.get_running_loop()
+            context = contextvars.copy_context()
+            return await loop.run_in_executor(None, context.run, self.schedule, request)
+        started = time.perf_counter()
+        outcome = OUTCOME_ERROR
+        try:
+            self._check_request(request)
+            result = await self.batcher.schedule_async(request)
+            outcome = OUTCOME_OK
+            return result
+        except SchedulerError:
+            outcome = OUTCOME_REFUSED
+            raise
+        finally:
+            self.metrics.command("schedule", outcome, time.perf_counter() - started)
 
     def schedule_many(
         self, requests: Sequence[ScheduleRequest]

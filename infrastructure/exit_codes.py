@@ -7,7 +7,8 @@ code  name                 when
 0     ok                   the command did what it was asked
 1     violation found      ``verify``, ``audit verify``, ``projections verify``,
                            ``simulate``'s ledger check, ``audit whatif`` that does not
-                           reproduce the log: the check ran and found something wrong
+                           reproduce the log, ``bench`` whose run broke an invariant:
+                           the check ran and found something wrong
 2     usage error          an unknown option or a bad value (the field and the rule are
                            named), a store ``simulate`` may not write into, a missing
                            extra of the installation: change the command or the install

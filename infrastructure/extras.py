@@ -16,9 +16,10 @@ import importlib.util
 
 DISTRIBUTION = "secondbox-scheduler"
 
-# extra: the modules it brings that the code imports (by import name)
+# extra: the modules it brings that the code imports (by import name; httptools and
+# uvloop: only to ask uvicorn for them, infrastructure/http/server.py)
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
-    "fast": ("orjson",),
+    "fast": ("orjson", "httptools", "uvloop"),
     "cli": ("typer", "rich", "cryptography"),
     "server": ("fastapi", "starlette", "uvicorn", "anyio", "prometheus_client"),
     "bench": ("httpx",),

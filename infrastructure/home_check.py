@@ -8,12 +8,16 @@ folded from its Runner and RunnerLease aggregates (``queries.fold_runner``) and 
 again on that snapshot:
 
 - the same snapshot: the choice stands;
-- compatible and ranked no worse by the aggregates (a heartbeat the read model has not
-  applied yet, say): its snapshot replaces the read model's among the candidates and the
-  rules choose again (the candidates not fetched rank below its read-model rank, so below
-  it still); a different runner chosen then is checked the same way;
-- refused by the aggregates, ranked worse (a runner the candidate search did not fetch
-  may then rank above it), gone, or still unsettled after :data:`MAX_CHECKS` runners:
+- compatible by the aggregates (ranked no worse: a heartbeat the read model has not
+  applied yet; or worse: a placement it has not applied yet, a concurrent ``schedule``
+  on it, say): its snapshot replaces the read model's among the candidates and the
+  rules choose again; the runner chosen then is checked the same way, provided it ranks
+  above the floor of the runners the candidate search did not fetch (by their rows,
+  as every candidate but the checked ones is judged), so that none of those can rank
+  above it;
+- refused by the aggregates, gone, a runner chosen that does not rank above that floor
+  (one not fetched may rank above it), or still unsettled after :data:`MAX_CHECKS`
+  runners:
   the candidates are the pool folded from the aggregates (``fold_runner_snapshots``),
   as without read models.
 
@@ -28,7 +32,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 
 from secondbox_scheduler.domain.errors import RunnerNotFoundError
-from secondbox_scheduler.domain.placement.evidence import Unlisted
+from secondbox_scheduler.domain.placement.evidence import RankKey, Unlisted
 from secondbox_scheduler.domain.placement.ranking import rank_key
 from secondbox_scheduler.domain.placement.rules import decide
 from secondbox_scheduler.domain.values import Requirements, RunnerSnapshot
@@ -45,18 +49,27 @@ def checked_home_candidates(
     *,
     fold_runner: Callable[[str], RunnerSnapshot],
     fold_pool: Callable[[str], list[RunnerSnapshot]],
+    floor: RankKey | None,
 ) -> tuple[list[RunnerSnapshot], Unlisted]:
     """Candidates (and counts of the pool's others) on which the placement rules choose
     a runner whose snapshot is its aggregates' (``fold_runner``; it raises
     ``RunnerNotFoundError`` for a runner gone), or choose nothing because no candidate
     is compatible. The read model's candidates with checked snapshots, or the pool
-    folded from the aggregates (``fold_pool``)."""
+    folded from the aggregates (``fold_pool``). ``floor``: every passing runner not
+    among ``candidates`` ranks at or below it by its row (None: every one is among
+    them; ``projections.candidates.home_candidates``)."""
     runners = list(candidates)
     checked: set[str] = set()
-    for _ in range(MAX_CHECKS):
+    while True:
         chosen = decide(requirements, runners, now, heartbeat_timeout, unlisted).chosen
-        if chosen is None or chosen.id in checked:
+        if chosen is None:
             return runners, unlisted
+        if floor is not None and rank_key(requirements, chosen) >= floor:
+            break  # not above the floor: a runner not fetched may rank above it
+        if chosen.id in checked:
+            return runners, unlisted
+        if len(checked) == MAX_CHECKS:
+            break
         try:
             folded = fold_runner(chosen.id)
         except RunnerNotFoundError:
@@ -66,7 +79,5 @@ def checked_home_candidates(
             return runners, unlisted
         if decide(requirements, [folded], now, heartbeat_timeout).chosen is None:
             break  # the aggregates refuse it
-        if rank_key(requirements, folded) > rank_key(requirements, chosen):
-            break  # ranked worse: a runner not fetched may rank above it
         runners = [folded if runner.id == chosen.id else runner for runner in runners]
     return fold_pool(requirements.pool_name), Unlisted()

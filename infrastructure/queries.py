@@ -87,7 +87,7 @@ class SchedulerQueries:
         unmatched = unmatched_candidates(read_models.runners, requirements, now, heartbeat_timeout)
         if unmatched is not None:  # none may match: the refusal's evidence, and no more
             return unmatched
-        candidates, unlisted = home_candidates(
+        candidates, unlisted, floor = home_candidates(
             read_models.runners, requirements, now, heartbeat_timeout
         )
         return checked_home_candidates(
@@ -96,6 +96,7 @@ class SchedulerQueries:
             unlisted,
             now,
             heartbeat_timeout,
+            floor=floor,
             fold_runner=self.fold_runner,
             fold_pool=self.fold_runner_snapshots,
         )

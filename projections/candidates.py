@@ -59,26 +59,33 @@ def home_candidates(
     requirements: Requirements,
     now: datetime,
     heartbeat_timeout: timedelta,
-) -> tuple[list[RunnerSnapshot], Unlisted]:
-    """The runners to evaluate for a home decision, and counts of the pool's others.
+) -> tuple[list[RunnerSnapshot], Unlisted, RankKey | None]:
+    """The runners to evaluate for a home decision, counts of the pool's others, and
+    the floor of the runners not fetched.
 
     The pool's runners that pass the SQL prefilter, best first by an upper bound of the
     ranking key, a page at a time until the page's last bound ranks below the best
     compatible runner found (or the rows run out). A lagging read model can only make
     the home choice worse, never unsafe: ``schedule`` decides against the aggregates.
+    The floor: the bound of the last row fetched when the search stopped on a full
+    page, so that every passing runner not fetched ranks at or below it by its row;
+    None when the rows ran out (every passing runner was fetched).
     """
     stale_before = now - heartbeat_timeout
     counts, page = first_candidates(view, requirements, stale_before, FIRST_PAGE)
     candidates: list[RunnerSnapshot] = []
     offset, limit = 0, FIRST_PAGE
+    floor: RankKey | None = None
     while True:
         if offset:
             page = candidate_page(view, requirements, stale_before, offset, limit)
         candidates.extend(snapshot for _, snapshot in page)
         if len(page) < limit:
+            floor = None
             break
+        floor = page[-1][0]
         chosen = decide(requirements, candidates, now, heartbeat_timeout).chosen
-        if chosen is not None and page[-1][0] > rank_key(requirements, chosen):
+        if chosen is not None and floor > rank_key(requirements, chosen):
             break
         offset, limit = offset + limit, limit * 2
     unlisted = Unlisted(
@@ -86,7 +93,7 @@ def home_candidates(
         not_evaluated=max(0, counts.passed - len(candidates)),
         reasons=counts.reasons,
     )
-    return candidates, unlisted
+    return candidates, unlisted, floor
 
 
 def first_candidates(

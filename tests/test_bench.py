@@ -16,6 +16,7 @@ from typer.testing import CliRunner, Result
 
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.cli import cli
+from secondbox_scheduler.infrastructure.exit_codes import EXIT_VIOLATION
 from secondbox_scheduler.infrastructure.settings import DATABASE_URL
 from secondbox_scheduler.infrastructure.tools.bench import (
     SECTIONS,
@@ -23,13 +24,16 @@ from secondbox_scheduler.infrastructure.tools.bench import (
     evaluate_goals,
     print_report,
 )
+from secondbox_scheduler.infrastructure.tools.bench import goals as goals_module
 from secondbox_scheduler.infrastructure.tools.bench.fleet import (
     bench_requirements,
     create_homed_sandboxes,
     register_fleet,
     roomy_fleet,
+    schedule_request,
 )
 from secondbox_scheduler.infrastructure.tools.bench.goals import GOAL_BATCHED
+from secondbox_scheduler.infrastructure.tools.bench.ledger import check_ledger, failures
 from secondbox_scheduler.infrastructure.tools.bench.report import throughput_table
 from secondbox_scheduler.infrastructure.tools.bench.workers import (
     ScheduleJob,
@@ -58,6 +62,9 @@ GOALS = {
     "versus_row_lock",
     "merkle_upkeep",
     "since_reaudit",
+    "http_placement",
+    "new_sandbox_placement",
+    "http_new_sandbox",
 }
 GOAL_FIELDS = {"target", "value", "met", "detail"}
 
@@ -140,6 +147,16 @@ def test_quick_bench_on_sqlite_reports_every_section_and_goal(quick: QuickRun) -
     assert_throughput(over_http, "placed")
     assert over_http["outcomes"].keys() <= {"placed", "contention_error"}
     assert over_http["replicas"] == report["settings"]["workers"]
+    assert over_http["connections_per_replica"] == BenchSettings.make(quick=True).http_connections
+    assert over_http["serve_cpu_ms_per_placement"] > 0
+    assert over_http["database_cpu_ms_per_placement"] is None  # SQLite: no server
+    for key in ("placement", "batched", "new_sandbox", "http", "http_new_sandbox"):
+        ledger = report[key]["ledger"]  # every acknowledged placement found on its runner
+        assert ledger["acknowledged"] >= report[key]["placed"] > 0, key
+        assert ledger["lost_placements"] == ledger["oversubscribed_runners"] == 0, key
+    assert_throughput(report["new_sandbox"], "placed")
+    assert_throughput(report["http_new_sandbox"], "placed")
+    assert report["failures"] == []
 
     rows = report["selection"]["rows"]
     assert [row["runners"] for row in rows] == list(BenchSettings.make(quick=True).selection_sizes)
@@ -238,8 +255,11 @@ def test_quick_bench_on_postgres_works_in_a_schema_it_drops(
         measured={
             "placement_throughput", "contention_goodput", "batched_placement",
             "batched_contention_goodput", "versus_row_lock",
+            "http_placement", "new_sandbox_placement", "http_new_sandbox",
         },
     )  # fmt: skip
+    assert report["http"]["database_cpu_ms_per_placement"] > 0  # its backends, by title
+    assert report["failures"] == []
     with psycopg.connect(postgres_server.conninfo()) as conn:
         found = conn.execute(
             "SELECT 1 FROM information_schema.schemata WHERE schema_name = %s", [schema]
@@ -367,3 +387,250 @@ def test_deferred_placements_are_counted_per_call_and_shown_in_the_batched_row()
     console = Console(width=300, record=True)
     console.print(table)
     assert "4.0% deferred" in console.export_text()
+
+
+# -- each goal's verdict against its line (a bench that can fail) -------------
+
+BASE = 1000.0  # the rate every ratio below is taken against
+
+
+def _run(per_second: float, **more: Any) -> dict[str, Any]:
+    return {"per_second": per_second, "p50_ms": 1.0, "p95_ms": 2.0, "p99_ms": 3.0,
+            "contention_errors": 0, **more}  # fmt: skip
+
+
+def _contended(goodput: float) -> dict[str, Any]:
+    state = {"oversubscribed_runners": 0, "reservations_match_placements": True}
+    return {"goodput_per_second": goodput, "contention_errors": 0, "hot_runner_state": state}
+
+
+def synthetic_report(values: dict[str, float]) -> dict[str, Any]:
+    """A report in which each goal's ratio is ``values[goal]`` (every other figure of the
+    goal comfortably within its line)."""
+    v = values.get
+    replay_rate = 10_000.0
+    return {
+        "raw_baseline": {
+            "one_aggregate": {"transactions_per_second": BASE},
+            "two_aggregates": {"transactions_per_second": BASE},
+        },
+        "placement": _run(v("placement_throughput", 0.7) * BASE),
+        "contention": _contended(v("contention_goodput", 0.7) * v("placement_throughput", 0.7)
+                                 * BASE),
+        "batched": _run(v("batched_placement", 2.0) * BASE),
+        "row_lock": _run(v("batched_placement", 2.0) * BASE / v("versus_row_lock", 1.0)),
+        "contention_batched": _contended(v("batched_contention_goodput", 0.7)
+                                         * v("batched_placement", 2.0) * BASE),
+        "selection": {"rows": [
+            {"runners": 100, "create_sandbox_ms": 1.0},
+            {"runners": 1000, "create_sandbox_ms": v("selection_scaling", 1.5)},
+        ]},
+        "history": {
+            "rows": [
+                {"events": 10, "cold_ratio": 1.0, "warm_ratio": 1.0, "cold_ms": 1.0,
+                 "warm_ms": 0.1},
+                {"events": 100_000, "cold_ratio": v("history_growth", 1.2), "warm_ratio": 1.0,
+                 "cold_ms": 1.0, "warm_ms": 0.1},
+            ],
+            "generations": [
+                {"generations": 100, "latest_snapshot_bytes": 1000, "cold_ms": 1.0},
+                {"generations": 10_000, "latest_snapshot_bytes": 1000,
+                 "cold_ms": v("generation_growth", 1.05), "bytes_per_generation": 900.0},
+            ],
+        },
+        "replay": {
+            "audit_verify": {"ratio_to_raw_read": v("audit_replay", 0.7),
+                             "events_per_second": replay_rate,
+                             "raw_read_events_per_second": replay_rate},
+            "rebuild": {"ratio_to_raw_read": v("projection_rebuild", 0.7),
+                        "events_per_second": replay_rate,
+                        "raw_read_events_per_second": replay_rate},
+            "audit_whatif": {"ratio_to_audit_verify": v("whatif_replay", 1.0),
+                             "events_per_second": replay_rate},
+        },
+        "audit_scale": {
+            "memory_ratio": v("audit_memory", 1.2),
+            "steady": [{"events": 100_000, "peak_rss_mb": 100.0},
+                       {"events": 1_000_000, "peak_rss_mb": 120.0}],
+            "one_runner": {"events_per_second": v("audit_reservations", 20_000.0),
+                           "violations": 0, "reservations": 6000, "events": 20_000,
+                           "peak_rss_mb": 100.0},
+        },
+        "merkle": {"lazy_share": v("merkle_upkeep", 0.05), "events": 4000,
+                   "placement": {"placed": 1000, "seconds": 1.0}, "lazy_seconds": 0.05,
+                   "chunk_events": 64, "eager_seconds": 0.2, "eager_share": 0.2},
+        "since": {"speedup": v("since_reaudit", 40.0), "same_findings": True,
+                  "new_events": 100, "checkpoint_size": 10_000, "since_seconds": 0.01,
+                  "full_seconds": 0.4, "events": 10_100},
+        "http": _run(v("http_placement", 0.7) * v("batched_placement", 2.0) * BASE),
+        "new_sandbox": _run(v("new_sandbox_placement", 0.7) * v("batched_placement", 2.0) * BASE),
+        "http_new_sandbox": _run(v("http_new_sandbox", 0.7) * v("batched_placement", 2.0) * BASE),
+    }  # fmt: skip
+
+
+# goal: (its line, whether the figure must be at least the line (else at most))
+LINES: dict[str, tuple[float, bool]] = {
+    "placement_throughput": (goals_module.GOAL_PLACEMENT, True),
+    "contention_goodput": (goals_module.GOAL_CONTENTION, True),
+    "batched_placement": (goals_module.GOAL_BATCHED, True),
+    "versus_row_lock": (goals_module.LINE_VERSUS_ROW_LOCK, True),
+    "batched_contention_goodput": (goals_module.GOAL_BATCHED_CONTENTION, True),
+    "selection_scaling": (goals_module.GOAL_SELECTION, False),
+    "history_growth": (goals_module.GOAL_HISTORY, False),
+    "generation_growth": (goals_module.GOAL_HISTORY, False),
+    "audit_replay": (goals_module.GOAL_REPLAY, True),
+    "projection_rebuild": (goals_module.GOAL_REPLAY, True),
+    "whatif_replay": (goals_module.GOAL_WHATIF, True),
+    "audit_memory": (goals_module.GOAL_AUDIT_MEMORY, False),
+    "audit_reservations": (goals_module.GOAL_AUDIT_RESERVATIONS, True),
+    "merkle_upkeep": (goals_module.GOAL_MERKLE_SHARE, False),
+    "since_reaudit": (goals_module.GOAL_SINCE_SPEEDUP, True),
+    "http_placement": (goals_module.GOAL_HTTP, True),
+    "new_sandbox_placement": (goals_module.GOAL_NEW_SANDBOX, True),
+    "http_new_sandbox": (goals_module.GOAL_NEW_SANDBOX, True),
+}
+
+
+def test_the_synthetic_report_meets_every_goal() -> None:
+    assert set(LINES) == GOALS
+    goals = evaluate_goals(synthetic_report({}))
+    assert {name: goal["met"] for name, goal in goals.items()} == dict.fromkeys(GOALS, True)
+
+
+@pytest.mark.parametrize("name", sorted(LINES))
+def test_each_goal_is_met_just_inside_its_line_and_not_just_outside(name: str) -> None:
+    """The verdict follows the figure across the line, and only that goal's: a goal
+    whose verdict ignored its figure, or read another goal's, fails here."""
+    line, at_least = LINES[name]
+    inside, outside = (line * 1.01, line * 0.99) if at_least else (line * 0.99, line * 1.01)
+    met = evaluate_goals(synthetic_report({name: inside}))
+    missed = evaluate_goals(synthetic_report({name: outside}))
+    assert met[name]["met"] is True, met[name]
+    assert missed[name]["met"] is False, missed[name]
+    assert met[name]["value"] == pytest.approx(inside, rel=0.01)
+    assert missed[name]["value"] == pytest.approx(outside, rel=0.01)
+    assert {n for n, goal in missed.items() if not goal["met"]} == {name}
+
+
+@pytest.mark.parametrize(
+    ("name", "section", "change"),
+    [
+        ("batched_placement", "batched", {"p99_ms": goals_module.GOAL_BATCHED_P99_MS + 0.1}),
+        ("batched_placement", "batched", {"contention_errors": 1}),
+        ("http_placement", "http", {"p99_ms": goals_module.GOAL_HTTP_P99_MS + 0.1}),
+        ("http_placement", "http", {"contention_errors": 1}),
+        ("new_sandbox_placement", "new_sandbox", {"contention_errors": 1}),
+        ("http_new_sandbox", "http_new_sandbox", {"contention_errors": 1}),
+        ("batched_contention_goodput", "contention_batched", {"contention_errors": 1}),
+        ("since_reaudit", "since", {"same_findings": False}),
+    ],
+)
+def test_a_goal_with_more_than_a_ratio_fails_on_each_of_its_conditions(
+    name: str, section: str, change: dict[str, float]
+) -> None:
+    report = synthetic_report({})
+    report[section].update(change)
+    goals = evaluate_goals(report)
+    assert goals[name]["met"] is False
+    assert {n for n, goal in goals.items() if not goal["met"]} == {name}
+
+
+@pytest.mark.parametrize("section", ["contention", "contention_batched"])
+@pytest.mark.parametrize(
+    "state", [{"oversubscribed_runners": 1}, {"reservations_match_placements": False}]
+)
+def test_a_contention_goal_fails_when_its_runners_do(section: str, state: dict[str, Any]) -> None:
+    report = synthetic_report({})
+    report[section]["hot_runner_state"].update(state)
+    name = "contention_goodput" if section == "contention" else "batched_contention_goodput"
+    assert evaluate_goals(report)[name]["met"] is False
+    assert failures(report) != []  # and the bench fails
+
+
+def test_the_goals_of_the_http_run_read_the_batched_run_of_the_same_report() -> None:
+    """http_placement is over HTTP against in-process batched, not against one placement
+    per transaction (found by review of the issue: the old row's ratio was to placement)."""
+    report = synthetic_report({"http_placement": 0.6})
+    report["placement"]["per_second"] = report["http"]["per_second"] * 10
+    assert evaluate_goals(report)["http_placement"]["value"] == pytest.approx(0.6)
+    del report["batched"]
+    assert evaluate_goals(report)["http_placement"]["met"] is None
+
+
+# -- a bench that can fail --------------------------------------------------------------
+
+
+def _ledger(**found: Any) -> dict[str, Any]:
+    return {"runners_checked": 4, "acknowledged": 10, "oversubscribed_runners": 0,
+            "lost_placements": 0, "lost_examples": [], **found}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("report", "says"),
+    [
+        ({"batched": {"ledger": _ledger(oversubscribed_runners=1)}}, "oversubscribed"),
+        ({"http": {"ledger": _ledger(lost_placements=2, lost_examples=["a", "b"])}}, "lost (a, b)"),
+        ({"replay": {"audit_verify": {"ok": False, "violations": 3}}}, "3 violation"),
+        ({"audit_scale": {"one_runner": {"violations": 1}}}, "1 violation"),
+        ({"merkle": {"ledger": _ledger(oversubscribed_runners=3)}}, "merkle: 3 runner(s)"),
+        ({"since": {"violations": 2, "same_findings": True}}, "since: audit verify found 2"),
+        ({"since": {"violations": 0, "same_findings": False}}, "other violations"),
+        ({"contention": _contended(1.0) | {"hot_runner_state": {
+            "oversubscribed_runners": 2, "reservations_match_placements": True}}},
+         "2 hot runner(s) oversubscribed"),
+    ],
+)  # fmt: skip
+def test_failures_name_each_broken_invariant(report: dict[str, Any], says: str) -> None:
+    found = failures(report)
+    assert len(found) == 1, found
+    assert says in found[0], found
+
+
+def test_a_clean_report_has_no_failures() -> None:
+    report = synthetic_report({})
+    report["batched"]["ledger"] = _ledger()
+    report["replay"]["audit_verify"].update(ok=True, violations=0)
+    assert failures(report) == []
+
+
+def test_bench_exits_1_when_a_run_broke_an_invariant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The figures are still printed (JSON here), then the failure, and exit code 1."""
+    import secondbox_scheduler.infrastructure.tools.bench as bench_package
+
+    broken = {"batched": {"ledger": _ledger(lost_placements=1, lost_examples=["s-1"])}}
+    monkeypatch.setattr(
+        bench_package, "run_bench", lambda *a, **k: {**broken, "failures": failures(broken)}
+    )
+    result = bench("--quick", "--only", "batched", "--json")
+    assert result.exit_code == EXIT_VIOLATION, result.output
+    assert json.loads(result.stdout)["failures"] == failures(broken)
+    assert "1 acknowledged placement(s) lost (s-1)" in result.stderr
+
+
+def test_the_ledger_finds_a_lost_placement_and_one_on_another_runner(tmp_path: Path) -> None:
+    """check_ledger reads the runners as stored: a sandbox answered placed that no runner
+    holds is lost; one held elsewhere than its known home is lost too."""
+    env = {DATABASE_URL: f"sqlite:///{tmp_path / 'ledger.db'}"}
+    app = SchedulerApplication(env=env)
+    at = datetime.now(UTC)
+    fleet = roomy_fleet("ledger", 2, instances=10)
+    snapshots = register_fleet(app, fleet, at)
+    first, second = (spec.runner_id for spec in fleet)
+    create_homed_sandboxes(
+        app, [("s-1", snapshots[first]), ("s-2", snapshots[second])],
+        bench_requirements("ledger"), at,
+    )  # fmt: skip
+    for sandbox_id in ("s-1", "s-2"):
+        request = schedule_request(
+            sandbox_id, bench_requirements("ledger"), datetime.now(UTC), seed=1,
+            serialization_retry_limit=3,
+        )  # fmt: skip
+        assert app.schedule(request)[1]
+    app.close()
+    clean = check_ledger(env, {"s-1": first, "s-2": second})
+    assert clean["lost_placements"] == clean["oversubscribed_runners"] == 0
+    assert clean["acknowledged"] == 2
+    found = check_ledger(env, {"s-1": first, "s-2": first, "s-3": None}, [first, second])
+    assert found["lost_placements"] == 2
+    assert found["lost_examples"] == ["s-2", "s-3"]
+    assert found["runners_checked"] == 2

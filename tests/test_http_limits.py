@@ -94,7 +94,11 @@ def test_invented_methods_and_paths_do_not_grow_the_metrics(
     with api_client(sqlite_app) as client:
         client.get("/healthz")
         baseline = len(client.get("/metrics").text)
-        for number in range(300):
+        # methods registered for HTTP but not the service's: each reaches the service
+        # (under h11 and httptools alike) and is counted as "other"
+        for method in ("PROPFIND", "MKCOL", "PURGE", "LINK", "SEARCH", "REPORT"):
+            client.request(method, "/v1/runners")
+        for number in range(300):  # invented: httptools refuses them (400) before the app
             client.request(f"X{number}Y", "/v1/runners")
             client.request(f"M{number}", f"/no/such/path/{number}")
             client.get(f"/v1/runners/{number}")

@@ -20,6 +20,7 @@ from secondbox_scheduler.infrastructure.cli.common import (
     store_env,
     store_errors,
 )
+from secondbox_scheduler.infrastructure.exit_codes import EXIT_VIOLATION
 from secondbox_scheduler.infrastructure.settings import DATABASE_URL, redact_url
 
 BENCH_HELP = (
@@ -36,11 +37,15 @@ BENCH_HELP = (
     "rate (1.5 x raw one-aggregate, needs the raw section), each timed from its arrival; "
     "row_lock, the state-based peer (runner rows, one "
     "SERIALIZABLE transaction per placement); http, the placement run through W serve "
-    "processes; selection, select_runner, create_sandbox and a new sandbox end to end "
-    "(create, then schedule) over 100, 1,000 and 10,000 runners; history, loading a runner "
+    "processes, each from 16 keep-alive connections (8 with --quick), and a new sandbox "
+    "(create, then schedule) over HTTP; selection, select_runner, create_sandbox and a new "
+    "sandbox end to end (create, then schedule) over 100, 1,000 and 10,000 runners; "
+    "history, loading a runner "
     "after 10, 1,000 and 100,000 events and a sandbox after many generations; replay, "
     "projection rebuild, audit verify and the what-if replay against the raw notification "
-    "read rate. Prints a table per measurement and each goal as met or not met.\n\n"
+    "read rate. Prints a table per measurement and each goal as met or not met. Exits 1 "
+    "when a run oversubscribed a runner, lost an acknowledged placement or failed its "
+    "audit.\n\n"
     "[bold]Examples[/bold]\n\n"
     "  secondbox-scheduler bench\n"
     "  secondbox-scheduler bench --quick --json\n"
@@ -176,6 +181,10 @@ def bench(
         print_json(report)
     else:
         print_report(report, stdout())
+    if report["failures"]:  # a run broke an invariant: figures or not, the bench fails
+        for failure in report["failures"]:
+            err.print(f"bench: {escape(failure)}")
+        raise typer.Exit(EXIT_VIOLATION)
 
 
 def _bench_cells(

@@ -151,10 +151,12 @@ def _create_app(
     app.state.max_read_model_lag = max_read_model_lag
     install_error_handlers(app)
     problem_openapi(app)
+    # sandboxes first: the router tries the routes in order, and schedule, the hot
+    # route, then is among the first few (no sandbox path is another router's)
+    app.include_router(sandboxes.router)
     app.include_router(lists.router)  # before runners: GET /v1/runners is a list
     app.include_router(runners.router)
     app.include_router(events.router)
-    app.include_router(sandboxes.router)
     app.include_router(health.router)
     app.include_router(tokens.router)
     app.include_router(audit_log.router)

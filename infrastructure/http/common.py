@@ -25,8 +25,11 @@ INT64_MAX = 2**63 - 1
 Served = SchedulerApplication | CellRouter
 
 
-def scheduler(request: Request) -> Served:
-    """The application, or the cell router, this service serves (``app.state.scheduler``)."""
+async def scheduler(request: Request) -> Served:
+    """The application, or the cell router, this service serves (``app.state.scheduler``).
+    A coroutine: FastAPI runs a plain function dependency on its thread pool, a hop of
+    every request between the event loop and a thread for one attribute read (found
+    profiling ``schedule``)."""
     app = request.app.state.scheduler
     assert isinstance(app, (SchedulerApplication, CellRouter))
     return app

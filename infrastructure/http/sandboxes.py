@@ -13,10 +13,12 @@ from __future__ import annotations
 from datetime import timedelta
 
 from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from secondbox_scheduler.domain.errors import AssignmentNotFoundError, SandboxNotFoundError
 from secondbox_scheduler.domain.reconcile import ReconcileDecision
+from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit.queries import explain, timeline
 from secondbox_scheduler.infrastructure.http.cells import assignment_list
 from secondbox_scheduler.infrastructure.http.common import (
@@ -109,12 +111,17 @@ def get_sandbox(sandbox_id: SandboxId, app: Scheduler) -> Response:
     summary="Schedule the current generation",
     responses={200: {"model": ScheduleResult, "description": "Already assigned (a replay)."}},
 )
-def schedule(sandbox_id: SandboxId, body: ScheduleBody, app: Scheduler) -> Response:
+async def schedule(sandbox_id: SandboxId, body: ScheduleBody, app: Scheduler) -> Response:
     """Serialize the sandbox's current generation and reserve capacity on its home
     runner (docs/spec.md (section 6)): 201 with the new assignment, or 200 with the existing one
     (``created: false``). Refused placements are 409 with the reasons; a request that
     lost every race of its ``serialization_retry_limit`` is 503."""
-    assignment, created = app.schedule(body.to_request(sandbox_id))
+    request = body.to_request(sandbox_id)
+    if isinstance(app, SchedulerApplication) and app.batcher is not None:
+        # concurrent requests meet in the batcher without a thread each
+        assignment, created = await app.schedule_async(request)
+    else:  # one transaction per request (or a cell router's): on the thread pool
+        assignment, created = await run_in_threadpool(app.schedule, request)
     return respond(
         ScheduleResult(assignment=AssignmentOut.of(assignment), created=created),
         201 if created else 200,

@@ -19,10 +19,22 @@ not queued again). Each request's events record its own caller's actor
 (:mod:`..acting`), not the leader's. Settings: ``SECONDBOX_BATCH_SIZE`` (default 64) and
 ``SECONDBOX_BATCH_WAIT_MS`` (default 0: the regroup above; more: a leader waits that
 long for a full batch).
+
+A coroutine calls :meth:`PlacementBatcher.schedule_async` instead (the HTTP service): its
+request is queued the same way, in the same queue, but no thread waits for it. Its
+answer resolves the coroutine's future on its event loop; when the lead comes to it,
+the batcher's own leader thread leads the batch in its place. So concurrent HTTP
+requests cost no thread each, nor a hop to a thread pool and back, and they meet in
+batches with the blocking callers as they would have as threads. A coroutine
+cancelled while it waits does not withdraw its request (as a thread-pool call would
+not): the placement is decided and committed, only its answer is dropped.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -31,6 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from eventsourcing.utils import strtobool
 
 from secondbox_scheduler.domain.actors import ActorRecord
+from secondbox_scheduler.domain.errors import SchedulerError
 from secondbox_scheduler.domain.values import DurableAssignment, ScheduleRequest
 from secondbox_scheduler.infrastructure.acting import current_actor
 from secondbox_scheduler.infrastructure.placing.port import Outcome
@@ -47,6 +60,8 @@ PlaceDeferring = Callable[
     [Sequence[ScheduleRequest], Sequence[bool], Sequence[ActorRecord | None]],
     list[Outcome | None],
 ]
+
+_LOG = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_BATCH_WAIT = 0.0
@@ -120,7 +135,52 @@ class _Slot:
         self.done = False
         self.lead = False
         self.deferred = False  # once deferred, its next batch waits for its runner
-        self.wake = _Signal()
+        self.wake: _Signal | _AsyncWake = _Signal()
+
+
+class _AsyncWake:
+    """The wake-up of a slot whose caller is a coroutine (:meth:`PlacementBatcher.
+    schedule_async`): set once answered, it resolves the caller's future on its loop;
+    set while it holds the lead, it hands the slot to the batcher's leader thread. Set,
+    like a :class:`_Signal`, by one thread at a time (see there)."""
+
+    __slots__ = ("_future", "_leaders", "_loop", "_slot")
+
+    def __init__(
+        self,
+        slot: _Slot,
+        loop: asyncio.AbstractEventLoop,
+        future: asyncio.Future[Outcome],
+        leaders: queue.SimpleQueue[_Slot | None],
+    ) -> None:
+        self._slot = slot
+        self._loop = loop
+        self._future = future
+        self._leaders = leaders
+
+    def set(self) -> None:
+        slot = self._slot
+        if slot.done:
+            self._loop.call_soon_threadsafe(_resolve, self._future, slot.outcome)
+        elif slot.lead:
+            self._leaders.put(slot)
+
+    def clear(self) -> None:
+        """(A deferred slot waits for its next wake-up: nothing to reset.)"""
+
+    def wait(self) -> None:  # pragma: no cover - a coroutine never blocks on its slot
+        raise RuntimeError("a coroutine's slot is never waited on by a thread")
+
+
+def _resolve(future: asyncio.Future[Outcome], outcome: Outcome | BaseException | None) -> None:
+    """(On the caller's loop.) The answer, unless the caller stopped waiting."""
+    if future.cancelled():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        assert outcome is not None
+        future.set_result(outcome)
 
 
 class PlacementBatcher:
@@ -143,6 +203,67 @@ class PlacementBatcher:
         self._last_size = 0  # requests in the previous batch
         self._last_arrival = 0.0  # time.monotonic() of the latest call queued
         self._wanted = 0  # while a leader regroups: the calls it waits for
+        # coroutines' slots that hold the lead, for the leader thread (started on first use)
+        self._leaders: queue.SimpleQueue[_Slot | None] = queue.SimpleQueue()
+        self._leader: threading.Thread | None = None
+
+    async def schedule_async(self, request: ScheduleRequest) -> tuple[DurableAssignment, bool]:
+        """:meth:`schedule` for a coroutine: queued the same way, awaited on its loop."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Outcome] = loop.create_future()
+        slot = _Slot(request, current_actor())
+        slot.wake = _AsyncWake(slot, loop, future, self._leaders)
+        self._start_leader()
+        with self._arrived:  # held by others only between a batch's steps
+            self._queue.append(slot)
+            self._last_arrival = time.monotonic()
+            leads = not self._busy  # read here: once queued, a leader may pass it the lead
+            if leads:
+                self._busy = slot.lead = True
+            elif 0 < self._wanted <= len(self._queue):
+                self._arrived.notify()
+        if leads:
+            self._leaders.put(slot)
+        # shielded: a cancelled caller's request is still placed (its answer dropped)
+        outcome = await asyncio.shield(future)
+        if isinstance(outcome, SchedulerError):
+            raise outcome
+        return outcome
+
+    def _start_leader(self) -> None:
+        if self._leader is not None:
+            return
+        with self._lock:
+            if self._leader is None:
+                self._leader = threading.Thread(
+                    target=self._lead_for_coroutines, name="secondbox-batch-leader", daemon=True
+                )
+                self._leader.start()
+
+    def _lead_for_coroutines(self) -> None:
+        """The leader thread: leads each batch whose lead came to a coroutine's slot."""
+        while (slot := self._leaders.get()) is not None:
+            if slot.done or not slot.lead:
+                continue
+            try:
+                self._lead()
+            except BaseException as error:  # not the batch's (those are answers): ours
+                _LOG.exception("the batch leader failed")
+                with self._lock:
+                    slot.abandoned = True
+                    if slot in self._queue:
+                        self._queue.remove(slot)
+                    if not slot.done:
+                        slot.outcome, slot.done, slot.lead = error, True, False
+                        self._pass_lead()
+                slot.wake.set()
+
+    def close(self) -> None:
+        """Stop the leader thread (after the batch it may be leading)."""
+        leader, self._leader = self._leader, None
+        if leader is not None:
+            self._leaders.put(None)
+            leader.join(timeout=30)
 
     def schedule(self, request: ScheduleRequest) -> tuple[DurableAssignment, bool]:
         slot = _Slot(request, current_actor())

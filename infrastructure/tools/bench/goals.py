@@ -23,6 +23,10 @@ GOAL_AUDIT_MEMORY = 2.0  # audit verify peak memory, longest steady log over sho
 GOAL_AUDIT_RESERVATIONS = 10_000.0  # audit verify events/s, one runner, 6,000 reservations
 GOAL_MERKLE_SHARE = 0.10  # the tree's upkeep over the batched placement time
 GOAL_SINCE_SPEEDUP = 20.0  # full audit verify over --since of 1% new events
+GOAL_HTTP = 0.5  # placements/s over HTTP over in-process batched placements/s, same run
+STRETCH_HTTP = 0.8
+GOAL_HTTP_P99_MS = 100.0
+GOAL_NEW_SANDBOX = 0.5  # create_sandbox + schedule per s over batched placements/s
 
 
 def _goal(target: str, value: float | None, met: bool | None, detail: str) -> dict[str, Any]:
@@ -257,6 +261,64 @@ def evaluate_goals(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     else:
         goals["audit_reservations"] = _skipped(target)
     _merkle_goals(report, goals)
+    goals.update(http_goals(report))
+    goals.update(new_sandbox_goals(report))
+    return goals
+
+
+def http_goals(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``http_placement``: placements/s over HTTP (concurrent keep-alive clients per
+    serve process) over in-process batched placements/s of the same run, with the
+    client's p99 under its line and no contention error."""
+    batched, over_http = report.get("batched"), report.get("http")
+    target = (
+        f">= {GOAL_HTTP} x in-process batched placements/s (stretch {STRETCH_HTTP}), "
+        f"p99 <= {GOAL_HTTP_P99_MS:g} ms, no contention error"
+    )
+    if not (batched and over_http and batched.get("per_second")):
+        return {"http_placement": _skipped(target)}
+    ratio = over_http["per_second"] / batched["per_second"]
+    met = (
+        ratio >= GOAL_HTTP
+        and over_http["p99_ms"] <= GOAL_HTTP_P99_MS
+        and over_http["contention_errors"] == 0
+    )
+    detail = (
+        f"{over_http['per_second']:,.0f} placements/s over HTTP vs {batched['per_second']:,.0f} "
+        f"batched; p99 {over_http['p99_ms']:.1f} ms; {over_http['contention_errors']} "
+        f"contention errors; stretch {STRETCH_HTTP}: "
+        f"{'met' if ratio >= STRETCH_HTTP else 'not met'}"
+    )
+    return {"http_placement": _goal(target, round(ratio, 3), met, detail)}
+
+
+def new_sandbox_goals(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``new_sandbox_placement`` and ``http_new_sandbox``: new sandboxes placed per second
+    (``create_sandbox`` then ``schedule``), in process and over HTTP, over in-process
+    batched placements/s of the same run."""
+    batched = report.get("batched")
+    goals: dict[str, dict[str, Any]] = {}
+    for name, key, how in (
+        ("new_sandbox_placement", "new_sandbox", "in process"),
+        ("http_new_sandbox", "http_new_sandbox", "over HTTP"),
+    ):
+        target = (
+            f"create_sandbox + schedule {how} >= {GOAL_NEW_SANDBOX} x batched placements/s, "
+            "no contention error"
+        )
+        run = report.get(key)
+        if not (batched and run and batched.get("per_second")):
+            goals[name] = _skipped(target)
+            continue
+        ratio = run["per_second"] / batched["per_second"]
+        goals[name] = _goal(
+            target,
+            round(ratio, 3),
+            ratio >= GOAL_NEW_SANDBOX and run["contention_errors"] == 0,
+            f"{run['per_second']:,.0f} new sandboxes placed/s {how} vs "
+            f"{batched['per_second']:,.0f} batched placements/s; p99 {run['p99_ms']:.1f} ms; "
+            f"{run['contention_errors']} contention errors",
+        )
     return goals
 
 

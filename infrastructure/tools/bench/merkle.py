@@ -87,6 +87,7 @@ def measure_merkle(
         "eager_share": round(eager / wall, 4),
         "lazy_share": round(lazy / wall, 4),
         "tree_events_per_second": round(events / lazy, 1) if lazy else None,
+        "ledger": run["ledger"],  # the placements' runners as stored (bench exits 1 on a fault)
     }
 
 

@@ -103,13 +103,38 @@ def throughput_table(report: dict[str, Any]) -> Table | None:
         ratio = _ratio(batched["per_second"] / row_lock["per_second"] if batched else None)
         errors = str(row_lock["outcomes"].get("contention_error", 0))
         add(label, row_lock, row_lock["per_second"], ratio + " batched/peer", errors=errors)
-    if over_http:
-        rate = over_http["per_second"]
-        label = f"placement over HTTP: {over_http['replicas']} serve processes"
-        add(label, over_http, rate, of(rate, uncontended, " of placement"))
+    batched_rate = batched["per_second"] if batched else None
+    new = report.get("new_sandbox")
+    if new:
+        label = (
+            f"new sandbox: create_sandbox + schedule, {new['callers_per_worker']} "
+            f"callers/worker over {new['runners']:,} runners"
+        )
+        add(label, new, new["per_second"], of(new["per_second"], batched_rate, " of batched"))
+    for key, what in (("http", "placement"), ("http_new_sandbox", "new sandbox")):
+        run = report.get(key)
+        if not run:
+            continue
+        label = (
+            f"{what} over HTTP: {run['replicas']} serve processes x "
+            f"{run.get('connections_per_replica', 1)} connections{_http_cpu(run)}"
+        )
+        add(label, run, run["per_second"], of(run["per_second"], batched_rate, " of batched"))
     table.caption = _throughput_caption(report)
     table.caption_justify = "left"
     return table
+
+
+def _http_cpu(run: dict[str, Any]) -> str:
+    """CPU per placement of the serve processes and of PostgreSQL's backends."""
+    serve = run.get("serve_cpu_ms_per_placement")
+    database = run.get("database_cpu_ms_per_placement")
+    if serve is None:
+        return ""
+    shown = f" (serve {serve:.2f} ms"
+    if database is not None:
+        shown += f", PostgreSQL {database:.2f} ms"
+    return shown + "/placement)"
 
 
 def _cpu(row: dict[str, Any]) -> str:
@@ -125,8 +150,10 @@ def _throughput_caption(report: dict[str, Any]) -> str:
     ]
     if report.get("http"):
         notes.append(
-            "over HTTP: one client process per serve process, latency measured by the client "
-            "(request sent to answer parsed: loopback HTTP, uvicorn, FastAPI, JSON)"
+            "over HTTP: one client process per serve process, its keep-alive connections each "
+            "sending its next request when answered; latency measured by the client (request "
+            "sent to answer parsed: loopback HTTP, uvicorn, FastAPI, JSON); serve and "
+            "PostgreSQL CPU: the serve processes' and the bench database's backends' own"
         )
     steady = report.get("batched_steady")
     if steady:

@@ -20,8 +20,12 @@ from secondbox_scheduler.infrastructure.tools.bench.database import (
 from secondbox_scheduler.infrastructure.tools.bench.errors import BenchError
 from secondbox_scheduler.infrastructure.tools.bench.goals import GOAL_BATCHED, evaluate_goals
 from secondbox_scheduler.infrastructure.tools.bench.history import measure_history_section
+from secondbox_scheduler.infrastructure.tools.bench.ledger import failures
 from secondbox_scheduler.infrastructure.tools.bench.merkle import measure_merkle, measure_since
-from secondbox_scheduler.infrastructure.tools.bench.over_http import measure_http
+from secondbox_scheduler.infrastructure.tools.bench.over_http import (
+    measure_http,
+    measure_http_new_sandbox,
+)
 from secondbox_scheduler.infrastructure.tools.bench.replay import measure_replay
 from secondbox_scheduler.infrastructure.tools.bench.selection import measure_selection
 from secondbox_scheduler.infrastructure.tools.bench.settings import (
@@ -31,6 +35,7 @@ from secondbox_scheduler.infrastructure.tools.bench.settings import (
 )
 from secondbox_scheduler.infrastructure.tools.bench.throughput import (
     measure_contention,
+    measure_new_sandbox,
     measure_placement,
     measure_raw,
     measure_row_lock,
@@ -115,14 +120,23 @@ def run_bench(
                         pool, app, env, settings, progress,
                         threads=settings.callers, pool_name="hotbatch",
                     )  # fmt: skip
+                    report["new_sandbox"] = measure_new_sandbox(
+                        pool, app, env, settings, report["batched"]["per_second"] or rate,
+                        progress, threads=settings.callers,
+                    )  # fmt: skip
                 if "row_lock" in wanted:
                     report["row_lock"] = measure_row_lock(pool, env, settings, progress)
                 if "merkle" in wanted:
                     report["merkle"] = measure_merkle(pool, app, env, settings, rate, progress)
                 if "http" in wanted:
-                    if "placement" in report:
-                        rate = report["placement"]["per_second"] or rate
+                    if "batched" in report:  # the rate it is held to
+                        rate = report["batched"]["per_second"] or rate
+                    elif "placement" in report:
+                        rate = 3 * (report["placement"]["per_second"] or rate)
                     report["http"] = measure_http(pool, app, env, settings, rate, progress)
+                    report["http_new_sandbox"] = measure_http_new_sandbox(
+                        pool, app, env, settings, rate, progress
+                    )
             if "selection" in wanted:
                 report["selection"] = measure_selection(app, settings, progress)
             if "replay" in wanted:
@@ -137,5 +151,6 @@ def run_bench(
         if "since" in wanted:
             report["since"] = measure_since(settings, progress)
     report["goals"] = evaluate_goals(report)
+    report["failures"] = failures(report)  # any: the bench exits 1 (:mod:`.ledger`)
     report["wall_seconds"] = round(time.perf_counter() - started, 1)
     return report

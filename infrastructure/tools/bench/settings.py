@@ -43,6 +43,10 @@ class BenchSettings:
     # callers per worker of the open-loop batched run (enough that arrivals never wait
     # for one while the scheduler keeps up; those that do are counted as late starts)
     open_loop_callers: int = 64
+    # keep-alive connections per serve process of the http section (its client process
+    # sends on each as the batched run's callers call: a closed loop); more than the
+    # batched callers, since a request spends longer outside the batcher over HTTP
+    http_connections: int = 16
     selection_sizes: tuple[int, ...] = (100, 1_000, 10_000)
     select_calls: tuple[int, ...] = (50, 20, 5)
     # medians of create_sandbox (and of a new sandbox end to end) per pool size: medians
@@ -86,6 +90,7 @@ class BenchSettings:
                 placement_seconds=2.0,
                 contention_sandboxes=400,
                 callers=8,
+                http_connections=8,
                 selection_sizes=(30, 300, 3_000),
                 select_calls=(20, 10, 5),
                 create_calls=(5, 5, 3),

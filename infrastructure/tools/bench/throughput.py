@@ -24,6 +24,7 @@ from secondbox_scheduler.infrastructure.tools.bench.fleet import (
     register_fleet,
     roomy_fleet,
 )
+from secondbox_scheduler.infrastructure.tools.bench.ledger import acknowledged_homes, check_ledger
 from secondbox_scheduler.infrastructure.tools.bench.row_lock_peer import create_tables
 from secondbox_scheduler.infrastructure.tools.bench.settings import BenchSettings, Progress
 from secondbox_scheduler.infrastructure.tools.bench.timing import now
@@ -138,6 +139,55 @@ def measure_placement(
     if offered_per_second:
         summary["offered_per_second"] = round(offered_per_second, 1)
         summary["late_starts"] = sum(result.late_starts for result in results)
+    summary["ledger"] = check_ledger(env, acknowledged_homes(results, homes))
+    return summary
+
+
+def measure_new_sandbox(
+    pool: WorkerPool,
+    app: SchedulerApplication,
+    env: dict[str, str],
+    settings: BenchSettings,
+    expected_rate: float,
+    progress: Progress,
+    *,
+    threads: int,
+    pool_name: str = "newsbx",
+) -> dict[str, Any]:
+    """The new-sandbox path: ``threads`` callers per worker, each call
+    ``create_sandbox`` (the home chosen over a roomy pool of ``settings.runners``) then
+    ``schedule``, for the placement duration; timed from the creation."""
+    count = math.ceil(expected_rate * settings.placement_seconds * 1.5) + 50 * settings.workers
+    progress(f"{pool_name}: registering {settings.runners:,} runners")
+    fleet = roomy_fleet(pool_name, settings.runners, instances=100_000)
+    register_fleet(app, fleet, now())
+    app.runner_snapshots(pool_name)  # the read models caught up, untimed
+    runner_ids = [spec.runner_id for spec in fleet]
+    ids = [f"{pool_name}-{index:07d}" for index in range(count)]
+    progress(
+        f"{pool_name}: {settings.workers} workers x {threads} callers, create_sandbox then "
+        f"schedule, for {settings.placement_seconds:g}s"
+    )
+    jobs: list[Job] = [
+        ScheduleJob(
+            env=env,
+            pool_name=pool_name,
+            sandbox_ids=tuple(part),
+            warm_runner_ids=tuple(runner_ids),
+            seconds=settings.placement_seconds,
+            seed=settings.seed,
+            serialization_retry_limit=SERIALIZATION_RETRY_LIMIT,
+            threads=threads,
+            create_first=True,
+        )
+        for part in _spread(ids, settings.workers)
+    ]
+    progress(f"{pool_name}: settling the database ({settle(env)})")
+    results = pool.run(jobs)
+    summary = summarize(results)
+    summary["runners"] = settings.runners
+    summary["callers_per_worker"] = threads
+    summary["ledger"] = check_ledger(env, acknowledged_homes(results, None), runner_ids)
     return summary
 
 

@@ -116,6 +116,9 @@ class ScheduleJob:
     # earlier ones were answered, and each is timed from its arrival, not from when a
     # caller thread got to it (so a backlog shows in the latency); None: closed loop
     offered_per_second: float | None = None
+    # the new-sandbox path: each call creates its sandbox (create_sandbox chooses the
+    # home over the pool), then schedules it; timed from the creation
+    create_first: bool = False
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,9 @@ class WorkerResult:
     batch_sizes: dict[int, int] = field(default_factory=dict)  # placement batches by size
     late_starts: int = 0  # open loop: calls sent more than LATE_MS after their arrival
     deferred: int = 0  # placements a batch handed back (their runner held by a rival)
+    acknowledged: tuple[str, ...] = ()  # sandboxes whose placement a caller was answered
+    serve_cpu_seconds: float | None = None  # over HTTP, worker 0: the serve processes'
+    database_cpu_seconds: float | None = None  # over HTTP, worker 0: PostgreSQL backends'
 
 
 def machine_cpu_seconds() -> tuple[float, float]:
@@ -255,6 +261,7 @@ def _run_schedule(
     prepare_seconds = time.perf_counter() - prepared
     outcomes: Counter[str] = Counter()
     latencies: list[float] = []
+    acknowledged: list[str] = []
     lock = threading.Lock()
     remaining = deque(job.sandbox_ids)
     # open loop: every request's arrival, seconds after the start
@@ -297,6 +304,12 @@ def _run_schedule(
             if arrivals is None:  # closed loop: timed from the send
                 due = time.perf_counter()
             try:
+                if job.create_first:
+                    app.create_sandbox(
+                        sandbox_id=sandbox_id, workspace_id=request.workspace_id,
+                        profile_revision_id=request.profile_revision_id,
+                        requirements=requirements, heartbeat_timeout=request.heartbeat_timeout,
+                    )  # fmt: skip
                 _, created = app.schedule(request)
                 outcome = "placed" if created else "replayed"
             except SerializationContentionError:
@@ -308,6 +321,8 @@ def _run_schedule(
             finished = time.perf_counter()
             with lock:
                 outcomes[outcome] += 1
+                if outcome in ("placed", "replayed"):
+                    acknowledged.append(sandbox_id)
                 if outcome == "placed":
                     latencies.append((finished - due) * 1000.0)
                 last[0] = max(last[0], finished)
@@ -333,6 +348,7 @@ def _run_schedule(
         batch_sizes={size: count for size, count in batches.items() if count},
         late_starts=late[0],
         deferred=app.metrics.placements_deferred - deferred_before,
+        acknowledged=tuple(acknowledged),
     )
 
 
