@@ -424,7 +424,8 @@ def synthetic_report(values: dict[str, float]) -> dict[str, Any]:
         "selection": {"rows": [
             {"runners": 100, "create_sandbox_ms": 1.0},
             {"runners": 1000, "create_sandbox_ms": v("selection_scaling", 1.5)},
-        ]},
+        ], "large_pool": {"runners": 50_000, "unmatched_ms": v("large_pool_unmatched", 50.0),
+                          "matched_ms": 80.0}},
         "history": {
             "rows": [
                 {"events": 10, "cold_ratio": 1.0, "warm_ratio": 1.0, "cold_ms": 1.0,
@@ -488,6 +489,7 @@ LINES: dict[str, tuple[float, bool]] = {
     "http_placement": (goals_module.GOAL_HTTP, True),
     "new_sandbox_placement": (goals_module.GOAL_NEW_SANDBOX, True),
     "http_new_sandbox": (goals_module.GOAL_NEW_SANDBOX, True),
+    "large_pool_unmatched": (goals_module.GOAL_LARGE_POOL_UNMATCHED_MS, False),
 }
 
 
