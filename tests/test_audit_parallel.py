@@ -16,7 +16,7 @@ from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit import parallel_verify
 from secondbox_scheduler.infrastructure.audit.parallel_verify import can_fork
 from secondbox_scheduler.infrastructure.audit.verify import AuditReport, checkpoint, verify
-from tests.test_tamper import (  # noqa: F401 - fixtures
+from tests.test_tamper import (
     EDITS,
     OPERATIONS,
     Copy,
@@ -24,6 +24,8 @@ from tests.test_tamper import (  # noqa: F401 - fixtures
     simulated,
     tamper,
 )
+
+__all__ = ["copy_of", "simulated"]  # the fixtures, from tests/test_tamper.py
 
 
 def _compared(report: AuditReport) -> dict[str, Any]:
@@ -44,9 +46,7 @@ def _all_ways(
         app = copy.open()
         try:
             assert can_fork(app)  # else the parallel runs would be serial ones
-            report = verify(
-                app, until, measure_raw=False, checkpoint=against, workers=workers
-            )
+            report = verify(app, until, measure_raw=False, checkpoint=against, workers=workers)
             reports.append(_compared(report))
         finally:
             app.close()
