@@ -10,14 +10,16 @@ A verify does two kinds of work over the log, and neither needs the other's resu
   against the stored link it names), the Merkle tree refolded from the stored rows, and
   the snapshot check (each snapshotted stream refolded from its own events).
 
-:func:`parallel_fold` runs the fold in this process and the row checks in one child
-process (``workers`` 2), or the chain and Merkle tree in one and the snapshot check in
-another (``workers`` 3 or more), each child with its own connection to the store,
-reading the same range of the log (positions up to the head when the verify started,
-or up to ``--until``). The results are put together as the serial verify
-(:func:`.verify._checked_fold`) puts them, so the findings are the same list in the
-same order (``tests/test_audit_parallel.py``). A child that fails is run again in this
-process, after the fold: its error, if any, is then the serial verify's.
+:func:`parallel_fold` runs the fold in this process and the chain and Merkle tree in a
+child process (``workers`` 2: the snapshot check beside the fold, on the events it
+decodes anyway), or the snapshot check in a second child (``workers`` 3, which decodes
+the events of the snapshotted streams again: more CPU in all, less in this process).
+Each child has its own connection to the store and reads the same range of the log
+(positions up to the head when the verify started, or up to ``--until``). The results
+are put together as the serial verify (:func:`.verify._checked_fold`) puts them, so the
+findings are the same list in the same order (``tests/test_audit_parallel.py``). A
+child that fails is run again in this process, after the fold: its error, if any, is
+then the serial verify's.
 
 The children are forked (no second import of the package: about 0.8 s of CPU here),
 so this runs only where ``fork`` is available and the store is one a second process
@@ -87,6 +89,7 @@ class FoldResult:
     violations: list[Violation]
     read: int
     last: int
+    snapshots: RowResult | None = None  # the snapshot check, when it ran beside the fold
 
 
 @dataclass
@@ -111,10 +114,13 @@ def fold_part(
     read_until: int | None,
     stop: int | None,
     progress: Callable[[int], None],
+    snapshots: bool = False,
 ) -> FoldResult:
     """The fold over positions up to ``read_until`` (the serial loop without the row
-    checks), the end of the log judged as the serial verify judges it at ``stop``."""
+    checks), the end of the log judged as the serial verify judges it at ``stop``;
+    with ``snapshots``, the snapshot check too (on the events decoded for the fold)."""
     recorder = app.recorder
+    check = SnapshotCheck(app) if snapshots else None
     audit = AuditFold(compact=True)
     audit.auditor_clock = app.now()  # no event is recorded later (rule time-order)
     decode = EventDecoder(app.mapper)
@@ -130,6 +136,8 @@ def fold_part(
             read_ahead=True,
         )
         for page in pages:
+            if check is not None:
+                check.page(last, page[-1].id)
             for notification in page:
                 position = notification.id
                 event: Any = None
@@ -151,6 +159,8 @@ def fold_part(
                                       f"the fold cannot apply it ({type(error).__name__}: "
                                       f"{error})")
                         )  # fmt: skip
+                    if check is not None:
+                        check.apply(event)
                 read += 1
                 if read % PAGE == 0:
                     progress(PAGE)
@@ -161,7 +171,22 @@ def fold_part(
         except Exception as error:  # pragma: no cover - a tampered history
             violations.append(Violation(last, "-", "-", "unfoldable", str(error)))
     violations.extend(outside_log(recorder, read, last))
-    return FoldResult(audit, violations, read, last)
+    folded = FoldResult(audit, violations, read, last)
+    if check is not None:
+        check.finish(stop, _chain_end(recorder, last, stop))
+        folded.snapshots = RowResult(
+            snapshots=True, last=last, snapshot_violations=check.violations,
+            snapshots_checked=check.checked,
+        )  # fmt: skip
+    return folded
+
+
+def _chain_end(recorder: object, last: int, stop: int | None) -> int:
+    """The chain verifier's last position at the end of a verify that read the log up to
+    ``last``, without the chain checked here: the last link up to ``stop``, if later."""
+    if not isinstance(recorder, ChainedRecorder):
+        return last
+    return max([last, *(link.position for link in select_links(recorder, last, stop))])
 
 
 def row_part(
@@ -233,18 +258,13 @@ def row_part(
             for link in links[index:]:
                 verifier.feed(None, link)
             last = page[-1].id
-        end = last
-        if chained or (check is not None and isinstance(recorder, ChainedRecorder)):
-            tail = select_links(recorder, last, stop)
-            if chained:
-                for link in tail:
-                    verifier.feed(None, link)  # links after the last event: deleted, or strays
-                verifier.finish()
-                end = max(last, verifier.last_position)
-                if checkpoint is not None:
-                    verifier.check(checkpoint)
-            else:  # the chain verifier's last position, without the chain checked here
-                end = max([last, *(link.position for link in tail)])
+        if chained:
+            for link in select_links(recorder, last, stop):
+                verifier.feed(None, link)  # links after the last event: deleted, or strays
+            verifier.finish()
+            if checkpoint is not None:
+                verifier.check(checkpoint)
+        end = max(last, verifier.last_position) if chain else _chain_end(recorder, last, stop)
     result = RowResult(chain=chain, snapshots=snapshots, last=last)
     if chain:
         result.findings = verifier.findings
@@ -298,7 +318,8 @@ def parallel_fold(
     head = app.recorder.max_notification_id() or 0
     read_until = head if stop is None else min(stop, head)
     env = dict(app.env)
-    parts = [(True, True)] if workers <= 2 else [(True, False), (False, True)]
+    # 2: the snapshot check beside the fold, on the events it decodes
+    parts = [(True, False)] if workers <= 2 else [(True, False), (False, True)]
     context = multiprocessing.get_context("fork")
     children = []
     for chain, snapshots in parts:
@@ -309,11 +330,11 @@ def parallel_fold(
         sender.close()
         children.append((process, receiver, arguments))
     try:
-        folded = fold_part(app, read_until, stop, progress)
+        folded = fold_part(app, read_until, stop, progress, snapshots=len(parts) == 1)
     finally:
         results = [_result(app, *child) for child in children]
-    if len(results) == 1:
-        return folded, results[0], results[0]
+    if folded.snapshots is not None:
+        return folded, results[0], folded.snapshots
     return folded, results[0], results[1]
 
 
