@@ -4,18 +4,21 @@ tampered histories on both stores (the tamper operations of ``tests/test_tamper.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from typer.testing import CliRunner
 
 from secondbox_scheduler.domain.audit.chain import Checkpoint
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit import parallel_verify
 from secondbox_scheduler.infrastructure.audit.parallel_verify import can_fork
 from secondbox_scheduler.infrastructure.audit.verify import AuditReport, checkpoint, verify
+from secondbox_scheduler.infrastructure.cli import cli
 from tests.test_tamper import (
     EDITS,
     OPERATIONS,
@@ -158,3 +161,20 @@ def test_a_child_that_fails_has_its_part_run_in_this_process(
     finally:
         app.close()
     assert _compared(report) == serial
+
+
+def test_the_cli_verifies_with_the_workers_it_is_given(copy_of: Callable[[str], Copy]) -> None:
+    copy = copy_of("sqlite")
+    EDITS["delete mid-stream LivenessRenewed"](copy.raw)
+    url = f"sqlite:///{copy.open().env['SQLITE_DBNAME']}"
+    found = []
+    for workers in ("1", "3"):
+        result = CliRunner().invoke(
+            cli, ["audit", "verify", "--database-url", url, "--json", "--workers", workers]
+        )
+        assert result.exit_code == 1, result.output
+        found.append(json.loads(result.output)["violations"])
+    assert found[0]
+    assert found[0] == found[1]
+    refused = CliRunner().invoke(cli, ["audit", "verify", "--database-url", url, "--workers", "0"])
+    assert refused.exit_code == 2
