@@ -5,6 +5,7 @@ tampered histories on both stores (the tamper operations of ``tests/test_tamper.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,7 @@ from typer.testing import CliRunner
 
 from secondbox_scheduler.domain.audit.chain import Checkpoint
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.audit import parallel_verify
+from secondbox_scheduler.infrastructure.audit import parallel_verify, snapshot_check
 from secondbox_scheduler.infrastructure.audit.parallel_verify import can_fork
 from secondbox_scheduler.infrastructure.audit.verify import AuditReport, checkpoint, verify
 from secondbox_scheduler.infrastructure.cli import cli
@@ -178,3 +179,41 @@ def test_the_cli_verifies_with_the_workers_it_is_given(copy_of: Callable[[str], 
     assert found[0] == found[1]
     refused = CliRunner().invoke(cli, ["audit", "verify", "--database-url", url, "--workers", "0"])
     assert refused.exit_code == 2
+
+
+def test_snapshot_chunks_read_ahead_find_what_chunks_read_in_turn_find(
+    copy_of: Callable[[str], Copy], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On PostgreSQL the snapshot check reads the next chunk of states in a thread while
+    the events reach the current one; the findings are those of reading each in turn."""
+    copy = copy_of("postgres")
+    raw = copy.raw
+    for stream, version, state in raw.rows(  # a few snapshots forged
+        "SELECT originator_id, originator_version, state FROM {snapshots} "
+        "ORDER BY originator_version DESC LIMIT 4"
+    ):
+        raw.rows(
+            "UPDATE {snapshots} SET state = ? WHERE originator_id = ? AND originator_version = ?",
+            bytes(state).replace(b'"reserved"', b'"reserveD"', 1) + b" ",
+            stream,
+            version,
+        )
+    raw.delete(raw.positions()[40])
+    monkeypatch.setattr(snapshot_check, "STATE_CHUNK_ROWS", 2)  # several chunks a page
+    threads: list[str] = []
+    reads = snapshot_check.snapshot_rows
+
+    def recorded(recorder: Any, keys: list[Any]) -> Any:
+        threads.append(threading.current_thread().name)
+        return reads(recorder, keys)
+
+    monkeypatch.setattr(snapshot_check, "snapshot_rows", recorded)
+    ahead = _all_ways(copy)
+    assert any(name.startswith("snapshot-read-ahead") for name in threads)
+    monkeypatch.setattr(snapshot_check, "SealedPostgresSnapshots", type("Other", (), {}))
+    threads.clear()
+    in_turn = _all_ways(copy)
+    assert threads
+    assert not any(name.startswith("snapshot-read-ahead") for name in threads)
+    assert "snapshot" in {violation["rule"] for violation in in_turn[0]["violations"]}
+    assert ahead == in_turn
