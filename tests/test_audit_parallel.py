@@ -20,6 +20,7 @@ from secondbox_scheduler.infrastructure.audit import parallel_verify, snapshot_c
 from secondbox_scheduler.infrastructure.audit.parallel_verify import can_fork
 from secondbox_scheduler.infrastructure.audit.verify import AuditReport, checkpoint, verify
 from secondbox_scheduler.infrastructure.cli import cli
+from secondbox_scheduler.infrastructure.store.chain_reads import snapshot_rows
 from tests.test_tamper import (
     EDITS,
     OPERATIONS,
@@ -201,7 +202,7 @@ def test_snapshot_chunks_read_ahead_find_what_chunks_read_in_turn_find(
     raw.delete(raw.positions()[40])
     monkeypatch.setattr(snapshot_check, "STATE_CHUNK_ROWS", 2)  # several chunks a page
     threads: list[str] = []
-    reads = snapshot_check.snapshot_rows
+    reads = snapshot_rows
 
     def recorded(recorder: Any, keys: list[Any]) -> Any:
         threads.append(threading.current_thread().name)
