@@ -5,6 +5,7 @@ tampered histories on both stores (the tamper operations of ``tests/test_tamper.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -218,3 +219,21 @@ def test_snapshot_chunks_read_ahead_find_what_chunks_read_in_turn_find(
     assert not any(name.startswith("snapshot-read-ahead") for name in threads)
     assert "snapshot" in {violation["rule"] for violation in in_turn[0]["violations"]}
     assert ahead == in_turn
+
+
+def test_an_error_of_the_fold_is_the_verify_s_and_leaves_no_child(
+    copy_of: Callable[[str], Copy], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copy = copy_of("sqlite")
+
+    def fails(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the fold failed")
+
+    monkeypatch.setattr(parallel_verify, "fold_part", fails)
+    app = copy.open()
+    try:
+        with pytest.raises(RuntimeError, match="the fold failed"):
+            verify(app, measure_raw=False, workers=3)
+    finally:
+        app.close()
+    assert multiprocessing.active_children() == []

@@ -331,8 +331,13 @@ def parallel_fold(
         children.append((process, receiver, arguments))
     try:
         folded = fold_part(app, read_until, stop, progress, snapshots=len(parts) == 1)
-    finally:
-        results = [_result(app, *child) for child in children]
+    except BaseException:  # the fold's error (or an interrupt) is the verify's: no wait
+        for process, receiver, _ in children:
+            process.terminate()
+            process.join()
+            receiver.close()
+        raise
+    results = [_result(app, *child) for child in children]
     if folded.snapshots is not None:
         return folded, results[0], folded.snapshots
     return folded, results[0], results[1]
