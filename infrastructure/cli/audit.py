@@ -164,9 +164,10 @@ def audit_verify(
             "--workers",
             min=1,
             help=(
-                "Processes to verify with: 1, this one only; 2, the fold here and the "
-                "chain, Merkle and snapshot checks in a second process; 3, those two in "
-                "one process each. The findings are the same. Default: 2 on a machine "
+                "Processes to verify with: 1, this one only; 2, the fold and the snapshot "
+                "check here, the "
+                "chain and Merkle checks in a second process; 3 (or more), the snapshot "
+                "check in a third. The findings are the same. Default: 2 on a machine "
                 "with two cores or more, else 1 (a verify by time, or with --since or "
                 "--save-state, runs in one process)."
             ),
