@@ -110,9 +110,7 @@ def _converter(decoders: dict[str, Convert]) -> Callable[[dict[str, Any]], None]
     """A function that replaces, in place, every ``{"_type_": name, "_data_": data}``
     object inside a parsed state by ``decoders[name](data)``, innermost first (as the
     transcoder's object hook sees them). One closure with local names: this walk runs
-    for every object of every event of a replay. Strings and integers (most values)
-    are passed over first; a nested object is converted where it is met, without a
-    call of its own unless it holds objects or lists."""
+    for every object of every event of a replay."""
 
     def convert_object(obj: dict[str, Any]) -> Any:
         if len(obj) == 2 and "_type_" in obj and "_data_" in obj:
@@ -129,31 +127,20 @@ def _converter(decoders: dict[str, Convert]) -> Callable[[dict[str, Any]], None]
     def convert_members(obj: dict[str, Any]) -> None:
         for key, value in obj.items():
             kind = type(value)
-            if kind is str or kind is int:
-                continue
             if kind is dict:
-                if len(value) == 2 and "_type_" in value and "_data_" in value:
-                    data = value["_data_"]
-                    if type(data) is str:  # a datetime, a UUID: most of them
-                        obj[key] = decoders[value["_type_"]](data)
-                        continue
                 obj[key] = convert_object(value)
-            elif kind is list:
-                if value:
-                    convert_items(value)
+            elif kind is list and value:
+                convert_items(value)
             elif kind is float and not -_BIG < value < _BIG:
                 raise _Unsure
 
     def convert_items(items: list[Any]) -> None:
         for index, value in enumerate(items):
             kind = type(value)
-            if kind is str or kind is int:
-                continue
             if kind is dict:
                 items[index] = convert_object(value)
-            elif kind is list:
-                if value:
-                    convert_items(value)
+            elif kind is list and value:
+                convert_items(value)
             elif kind is float and not -_BIG < value < _BIG:
                 raise _Unsure
 
