@@ -185,6 +185,12 @@ def test_quick_bench_on_sqlite_reports_every_section_and_goal(quick: QuickRun) -
     replay = report["replay"]
     assert replay["audit_verify"]["ok"]
     assert replay["audit_verify"]["violations"] == 0
+    serial = replay["audit_verify"]["serial"]  # the same log in one process
+    assert serial["workers"] == 1
+    assert serial["ok"]
+    assert serial["events_checked"] == replay["audit_verify"]["events_checked"]
+    assert serial["cpu_us_per_event"] > 0
+    assert replay["audit_verify"]["cpu_us_per_event"] > 0
     assert replay["rebuild"]["events"] == replay["events_in_log"] > 0
     assert replay["rebuild"]["ratio_to_raw_read"] is not None
     whatif = replay["audit_whatif"]

@@ -9,7 +9,8 @@ It streams: it reads every snapshot's key once (stream, version, the position of
 event, the size of its state: a few numbers each, in arrays), and before each page of
 the log (:meth:`SnapshotCheck.page`) takes the keys of the snapshots at that page's
 events; their states are read as the events reach them, a chunk of at most
-``STATE_CHUNK_BYTES`` at a time. It holds one chunk of states and the aggregates being
+``STATE_CHUNK_BYTES`` at a time (on PostgreSQL the next chunk is read meanwhile, in a
+thread). It holds one chunk of states (two on PostgreSQL) and the aggregates being
 refolded, never the whole snapshots table (which grows faster than the log: a runner
 snapshotted every tenth event stores all its live reservations each time). A snapshot
 whose state is byte for byte the encoding of the refolded aggregate (its timestamp
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_right
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 from uuid import UUID
 
@@ -33,6 +35,7 @@ from secondbox_scheduler.infrastructure.store.chain_reads import (
     snapshot_index,
     snapshot_rows,
 )
+from secondbox_scheduler.infrastructure.store.sealed_postgres import SealedPostgresSnapshots
 from secondbox_scheduler.infrastructure.store.sealed_snapshots import SealedSnapshots
 
 STATE_CHUNK_BYTES = 8 << 20  # snapshot states read (and held) at once, about at most
@@ -87,6 +90,11 @@ class SnapshotCheck:
         self.aggregates: dict[Any, Any] = {}
         self.broken: set[Any] = set()
         self.decoded = 0  # snapshots compared by decoding them (not equal byte for byte)
+        # PostgreSQL: the chunk after the one just read, read meanwhile in a thread (the
+        # query waits on the server: a fifth of a verify's time there); two chunks held
+        self.prefetch = isinstance(recorder, SealedPostgresSnapshots)
+        self._reader: ThreadPoolExecutor | None = None
+        self._ahead: tuple[int, Future[dict[tuple[Any, int], SnapshotRow]]] | None = None
         mapper = app.mapper
         self._bytes_equal = mapper.compressor is None and mapper.cipher is None
 
@@ -107,6 +115,12 @@ class SnapshotCheck:
         broken, the event unreadable): reported by :meth:`finish`."""
         self.left += [(*key, self.positions[index]) for key, index in self.pending.items()]
         self.pending, self.rows = {}, {}
+        self._drop_ahead()
+
+    def _drop_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead[1].result()  # not used: the next chunk read starts elsewhere
 
     def apply(self, event: Any) -> None:
         stream = event.originator_id
@@ -137,14 +151,31 @@ class SnapshotCheck:
         row = self.rows.pop(key, None)
         if row is not None:
             return row
-        keys, size = [key], self.sizes[index]
+        keys = self._chunk(index)
+        ahead = self._ahead
+        if ahead is not None and ahead[0] == index:  # the chunk read ahead: this one
+            self._ahead = None
+            self.rows = ahead[1].result()
+        else:
+            self._drop_ahead()
+            self.rows = snapshot_rows(self.recorder, keys)
+        following = index + len(keys)
+        if self.prefetch and following < self.window.stop:
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(1, thread_name_prefix="snapshot-read-ahead")
+            chunk = self._chunk(following)
+            self._ahead = (following, self._reader.submit(snapshot_rows, self.recorder, chunk))
+        return self.rows.pop(key, None)
+
+    def _chunk(self, index: int) -> list[tuple[UUID, int]]:
+        """The keys of the chunk of this page's snapshots that starts at ``index``."""
+        keys, size = [self._key(index)], self.sizes[index]
         for later in range(index + 1, self.window.stop):
             if size >= STATE_CHUNK_BYTES or len(keys) >= STATE_CHUNK_ROWS:
                 break
             keys.append(self._key(later))
             size += self.sizes[later]
-        self.rows = snapshot_rows(self.recorder, keys)
-        return self.rows.pop(key, None)
+        return keys
 
     def _violation(self, stored: Any, position: int, detail: str) -> None:
         self.violations.append(
@@ -220,6 +251,9 @@ class SnapshotCheck:
 
     def finish(self, stop: int | None, end: int) -> None:
         self._leave()
+        if self._reader is not None:
+            self._reader.shutdown()
+            self._reader = None
         beyond = bisect_right(self.positions, self.read_until)  # pages never read
         never = [(*self._key(i), self.positions[i]) for i in range(beyond, len(self.positions))]
         # as the index orders them (stream, version); the violations are sorted by

@@ -38,6 +38,11 @@ from secondbox_scheduler.infrastructure.audit.log_fold import (
     printable_text,
 )
 from secondbox_scheduler.infrastructure.audit.merkle_checks import MerkleChecks, MerkleReport
+from secondbox_scheduler.infrastructure.audit.parallel_verify import (
+    can_fork,
+    default_workers,
+    parallel_fold,
+)
 from secondbox_scheduler.infrastructure.audit.snapshot_check import SnapshotCheck
 from secondbox_scheduler.infrastructure.audit.streams import outside_log
 from secondbox_scheduler.infrastructure.store.chain_reads import chain_head, select_links
@@ -136,6 +141,7 @@ def verify(
     checkpoint: Checkpoint | bytes | None = None,
     merkle: MerkleChecks | None = None,
     save_state: bool = False,
+    workers: int | None = None,
 ) -> AuditReport:
     """Replay the log through the audit fold; every violation with its position and rule.
     On a chained store, every event is also checked against its link of the chain, every
@@ -143,7 +149,9 @@ def verify(
     the Merkle tree is refolded from the log and compared with the stored one and with
     ``merkle``'s signed checkpoints. With ``merkle.since`` (a fold state sealed at a
     checkpoint, :mod:`.fold_state`), only the events after it are folded.
-    ``save_state``: the report's ``state`` is the fold state sealed at its end."""
+    ``save_state``: the report's ``state`` is the fold state sealed at its end.
+    ``workers``: processes to verify with (None: :func:`.parallel_verify.default_workers`;
+    1: this one only); the findings are the same (:mod:`.parallel_verify`)."""
     merkle = merkle or MerkleChecks()
     resume = merkle.resume(app)
     raw_seconds = 0.0
@@ -156,9 +164,22 @@ def verify(
         )
         raw_seconds = time.perf_counter() - started
     started = time.perf_counter()
-    audit, chain, state, refold = _checked_fold(
-        app, until, progress, checkpoint, merkle, resume, save_state
-    )
+    workers = default_workers() if workers is None else workers
+    if (
+        workers > 1
+        and resume is None
+        and not save_state
+        and not isinstance(until, datetime)
+        and can_fork(app)
+    ):
+        audit, chain, refold = _parallel_checked_fold(
+            app, workers, until, progress, checkpoint, merkle
+        )
+        state = None
+    else:
+        audit, chain, state, refold = _checked_fold(
+            app, until, progress, checkpoint, merkle, resume, save_state
+        )
     merkle_report = merkle.finish(app, refold, audit.position, resume)
     audit.violations.extend(merkle.violations)
     seconds = time.perf_counter() - started
@@ -167,6 +188,42 @@ def verify(
     return AuditReport(
         events, seconds, raw_seconds, audit.position, violations, chain, merkle_report, state
     )
+
+
+def _parallel_checked_fold(
+    app: SchedulerApplication,
+    workers: int,
+    until: int | None,
+    progress: Callable[[int], None],
+    checkpoint: Checkpoint | bytes | None,
+    merkle: MerkleChecks,
+) -> tuple[AuditFold, ChainReport, MerkleRefold]:
+    """:func:`_checked_fold` over ``workers`` processes, its results put together in
+    the same order (:mod:`.parallel_verify`)."""
+    folded, rows, snapshot_rows = parallel_fold(
+        app, workers, until, progress, checkpoint, merkle.watched()
+    )
+    audit = folded.audit
+    findings = list(rows.findings)
+    chained = isinstance(app.recorder, ChainedRecorder)
+    if not chained and checkpoint is not None:
+        findings.append(Finding(0, "unchained", "this store keeps no chain"))
+    audit.violations.extend(folded.violations)
+    audit.violations.extend(_chain_violation(finding) for finding in findings)
+    audit.violations.extend(snapshot_rows.snapshot_violations)
+    refold = MerkleRefold()
+    refold.size, refold.stack, refold.watched = rows.refold
+    report = ChainReport(
+        chained=chained,
+        keyed=app.chain.keyed,
+        unchained_until=rows.unchained_until,
+        links_checked=rows.links_checked,
+        snapshots_checked=snapshot_rows.snapshots_checked,
+        head=None if rows.head is None else str(Checkpoint(rows.head.position, rows.head.digest)),
+        checkpoint=None if checkpoint is None else (
+            checkpoint.hex() if isinstance(checkpoint, bytes) else str(checkpoint)),
+    )  # fmt: skip
+    return audit, report, refold
 
 
 def _link_at(recorder: object, position: int) -> Link | None:

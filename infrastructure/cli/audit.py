@@ -158,6 +158,21 @@ def audit_verify(
             ),
         ),
     ] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            "--workers",
+            min=1,
+            help=(
+                "Processes to verify with: 1, this one only; 2, the fold and the snapshot "
+                "check here, the "
+                "chain and Merkle checks in a second process; 3 (or more), the snapshot "
+                "check in a third. The findings are the same. Default: 2 on a machine "
+                "with two cores or more, else 1 (a verify by time, or with --since or "
+                "--save-state, runs in one process)."
+            ),
+        ),
+    ] = None,
     as_json: JsonOutput = False,
     cells: CellsFile = None,
 ) -> None:
@@ -199,6 +214,7 @@ def audit_verify(
                 checkpoint=expected,
                 merkle=merkle,
                 save_state=save_state is not None,
+                workers=workers,
             )
         app.close()
     if save_state is not None:

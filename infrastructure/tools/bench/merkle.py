@@ -114,7 +114,7 @@ def measure_since(settings: BenchSettings, progress: Progress) -> dict[str, Any]
             )  # fmt: skip
             progress("since: audit verify of the whole log")
             started = time.perf_counter()
-            full = verify(app, measure_raw=False)
+            full = verify(app, measure_raw=False, workers=1)  # as --since: one process
             full_seconds = time.perf_counter() - started
             progress(f"since: audit verify --since the checkpoint of tree size {cut:,}")
             started = time.perf_counter()  # the state read and restored included

@@ -266,14 +266,20 @@ def replay_table(report: dict[str, Any]) -> Table | None:
     if not replay:
         return None
     table = Table(title="Replay of the whole log", box=box.SIMPLE)
-    for column in ("replay", "events", "seconds", "events/s", "raw read events/s", "ratio"):
+    columns = ("replay", "events", "seconds", "events/s", "raw read events/s", "ratio",
+               "CPU us/event")  # fmt: skip
+    for column in columns:
         table.add_column(column, justify="left" if column == "replay" else "right")
-    rows = [("rebuild", "projection rebuild"), ("audit_verify", "audit verify")]
+    rows: list[tuple[dict[str, Any], str]] = [(replay["rebuild"], "projection rebuild")]
+    audit = replay["audit_verify"]
+    if "serial" in audit:
+        rows.append((audit["serial"], "audit verify, 1 process"))
+    rows.append((audit, f"audit verify, {audit.get('workers', 1)} processes"))
     if "audit_whatif" in replay:
-        rows.append(("audit_whatif", "audit whatif (no change)"))
-    for key, label in rows:
-        row = replay[key]
+        rows.append((replay["audit_whatif"], "audit whatif (no change)"))
+    for row, label in rows:
         events = row.get("events", row.get("events_checked", 0))
+        cpu = row.get("cpu_us_per_event")
         table.add_row(
             label,
             f"{events:,}",
@@ -281,6 +287,7 @@ def replay_table(report: dict[str, Any]) -> Table | None:
             f"{row['events_per_second']:,.0f}",
             f"{row['raw_read_events_per_second']:,.0f}",
             _ratio(row["ratio_to_raw_read"]),
+            "-" if cpu is None else f"{cpu:,.1f}",
         )
     whatif = replay.get("audit_whatif")
     if whatif:
