@@ -7,7 +7,8 @@ optimistic-concurrency race is retried from the start after a full-jitter backof
 (:mod:`.retrying`); past the retry limit it becomes ``SerializationContentionError``.
 ``schedule`` goes through the batcher to the placement batch (``placing/``), which
 decides with ``domain/placement/deciding.py``. The store's wiring is the base class
-(``store/application_store.py``); queries (:mod:`.queries`), counters (:mod:`.counters`)
+(``store/application_store.py``); queries (:mod:`.queries`, on the service through
+:mod:`.query_methods`), counters (:mod:`.counters`)
 and refusal records (:mod:`.refusal_recording`) have modules of their own.
 """
 
@@ -79,6 +80,7 @@ from secondbox_scheduler.infrastructure.placing.batcher import (
 )
 from secondbox_scheduler.infrastructure.placing.runner_locks import RunnerLocks
 from secondbox_scheduler.infrastructure.queries import SchedulerQueries
+from secondbox_scheduler.infrastructure.query_methods import QueryMethods
 from secondbox_scheduler.infrastructure.refusal_recording import RefusalRecorder
 from secondbox_scheduler.infrastructure.registration import (
     checked_registration,
@@ -115,7 +117,7 @@ def system_now() -> datetime:
     return datetime.now(UTC)
 
 
-class SchedulerApplication(StoredApplication):
+class SchedulerApplication(StoredApplication, QueryMethods):
     """Event-sourced scheduler: runners, sandboxes and fenced assignments."""
 
     snapshotting_intervals: ClassVar[dict[type[Any], int]] = {
@@ -584,47 +586,3 @@ class SchedulerApplication(StoredApplication):
         return self._update_sandbox(
             sandbox_id, lambda sandbox, at: sandbox.advance_generation(generation, at)
         )
-
-    # -- queries: documented in :mod:`.queries` ----------------------------------------
-
-    def get_assignment(
-        self, sandbox_id: str, generation: int | None = None
-    ) -> DurableAssignment | None:
-        """The assignment of the current generation, or of ``generation``."""
-        return self.queries.get_assignment(sandbox_id, generation)
-
-    def assignments(self, sandbox_id: str) -> list[DurableAssignment]:
-        return self.queries.assignments(sandbox_id)
-
-    def runner_assignments(self, runner_id: str) -> list[DurableAssignment]:
-        return self.queries.runner_assignments(runner_id)
-
-    def sandbox_home(self, sandbox_id: str) -> str:
-        return self.queries.sandbox_home(sandbox_id)
-
-    def runner_snapshots(self, pool_name: str | None = None) -> list[RunnerSnapshot]:
-        return self.queries.runner_snapshots(pool_name)
-
-    def get_runner(self, runner_id: str) -> RunnerSnapshot:
-        return self.queries.get_runner(runner_id)
-
-    def read_models_now(self) -> ReadModels:
-        return self.queries.read_models_now()
-
-    def current_read_models(self) -> ReadModels | None:
-        return self.queries.current_read_models()
-
-    def wait_for(self, position: int, timeout: float = 5.0) -> None:
-        self.queries.wait_for(position, timeout)
-
-    def fold_runner(self, runner_id: str) -> RunnerSnapshot:
-        return self.queries.fold_runner(runner_id)
-
-    def fold_runner_snapshots(self, pool_name: str | None = None) -> list[RunnerSnapshot]:
-        return self.queries.fold_runner_snapshots(pool_name)
-
-    def fold_assignments(self, sandbox_id: str) -> list[DurableAssignment]:
-        return self.queries.fold_assignments(sandbox_id)
-
-    def fold_runner_assignments(self, runner_id: str) -> list[DurableAssignment]:
-        return self.queries.fold_runner_assignments(runner_id)
