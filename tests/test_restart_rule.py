@@ -8,6 +8,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -114,3 +115,32 @@ def test_a_cluster_of_this_machine_is_proved_and_restarted(tmp_path: Path) -> No
         cluster.stop()
     with pytest.raises(RestartRefused, match="cannot ask the server"):
         prove_local_cluster(url)  # stopped: nothing to prove
+
+
+@pytest.mark.postgres
+def test_the_backends_parent_is_read_while_its_connection_is_open(
+    postgres_server: PostgresServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the connection closes its backend exits, and its parent can no longer be seen:
+    read after the close, the proof failed whenever the backend exited first."""
+    from secondbox_scheduler.infrastructure.tools.fault_injection import restart
+
+    open_connections: list[psycopg.Connection[Any]] = []
+    real_connect = psycopg.connect
+
+    def connect(*args: Any, **kwargs: Any) -> psycopg.Connection[Any]:
+        conn = real_connect(*args, **kwargs)
+        open_connections.append(conn)
+        return conn
+
+    seen_open: list[bool] = []
+    real_parent = restart.parent_pid
+
+    def parent_pid(pid: int) -> int | None:
+        seen_open.append(any(not conn.closed for conn in open_connections))
+        return real_parent(pid)
+
+    monkeypatch.setattr(psycopg, "connect", connect)
+    monkeypatch.setattr(restart, "parent_pid", parent_pid)
+    restart.server_facts(postgres_server.conninfo())
+    assert seen_open == [True]

@@ -102,13 +102,18 @@ def is_local_host(host: str) -> bool:
     )
 
 
-def server_facts(database_url: str) -> ServerFacts:
+def server_facts(database_url: str) -> tuple[ServerFacts, int | None]:
+    """What the server says of itself, and the parent of the connection's backend as this
+    machine sees it, read while the connection is open (once it closes, its backend
+    exits and its parent is no longer visible: a refusal by a race)."""
     try:
         with psycopg.connect(database_url, autocommit=True, connect_timeout=10) as conn:
             row = conn.execute(
                 "SELECT current_setting('data_directory'), current_setting('port')::int, "
                 "pg_backend_pid(), current_setting('server_version_num')::int / 10000"
             ).fetchone()
+            assert row is not None
+            backend_parent = parent_pid(int(row[2]))
     except psycopg.errors.InsufficientPrivilege:
         raise RestartRefused(
             "the role of --database-url may not read data_directory (it needs to be a "
@@ -116,8 +121,7 @@ def server_facts(database_url: str) -> ServerFacts:
         ) from None
     except psycopg.Error as error:
         raise RestartRefused(f"cannot ask the server where its data is ({error})") from None
-    assert row is not None
-    return ServerFacts(str(row[0]), int(row[1]), int(row[2]), int(row[3]))
+    return ServerFacts(str(row[0]), int(row[1]), int(row[2]), int(row[3])), backend_parent
 
 
 def parent_pid(pid: int) -> int | None:
@@ -181,13 +185,13 @@ def prove_local_cluster(database_url: str) -> LocalCluster:
     host = urlsplit(database_url).hostname or ""
     if not host or not is_local_host(host):
         raise RestartRefused(f"{host or 'the URL'!s} is not this machine")
-    facts = server_facts(database_url)
+    facts, backend_parent = server_facts(database_url)
     data = Path(facts.data_directory)
     try:
         pid_file: str | None = (data / "postmaster.pid").read_text()
     except OSError:
         pid_file = None
-    problem = proof_problem(facts, pid_file, parent_pid(facts.backend_pid))
+    problem = proof_problem(facts, pid_file, backend_parent)
     if problem:
         raise RestartRefused(problem)
     pg_ctl = pg_ctl_for(facts.major_version)
