@@ -41,17 +41,22 @@ from eventsourcing.postgres import PostgresApplicationRecorder
 from eventsourcing.sqlite import SQLiteApplicationRecorder
 
 from secondbox_scheduler.domain.audit.chain import (
-    ChainedEvent,
     ChainVerifier,
     Checkpoint,
     Finding,
     Link,
 )
 from secondbox_scheduler.domain.audit.fold import AuditFold
-from secondbox_scheduler.domain.audit.merkle import MerkleRefold, leaf_data
+from secondbox_scheduler.domain.audit.merkle import MerkleRefold
 from secondbox_scheduler.domain.audit.state import Violation
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit.log_fold import PAGE, READ_PAGE, event_after
+from secondbox_scheduler.infrastructure.audit.row_steps import (
+    feed_row,
+    link_at,
+    unfoldable,
+    unreadable,
+)
 from secondbox_scheduler.infrastructure.audit.snapshot_check import SnapshotCheck
 from secondbox_scheduler.infrastructure.audit.streams import outside_log
 from secondbox_scheduler.infrastructure.settings import BATCHING, READ_MODELS, RUNNER_LOCKS
@@ -144,21 +149,12 @@ def fold_part(
                 try:
                     event = decode(notification)
                 except Exception as error:
-                    violations.append(
-                        Violation(position, str(notification.originator_id),
-                                  notification.topic.rpartition(":")[2], "unreadable",
-                                  f"the event cannot be decoded ({type(error).__name__})")
-                    )  # fmt: skip
+                    violations.append(unreadable(notification, error))
                 if event is not None:
                     try:
                         audit.apply(position, event)
                     except Exception as error:
-                        violations.append(
-                            Violation(position, str(notification.originator_id),
-                                      type(event).__qualname__, "unfoldable",
-                                      f"the fold cannot apply it ({type(error).__name__}: "
-                                      f"{error})")
-                        )  # fmt: skip
+                        violations.append(unfoldable(notification, event, error))
                     if check is not None:
                         check.apply(event)
                 read += 1
@@ -229,23 +225,8 @@ def row_part(
             for notification in page:
                 position = notification.id
                 if chain:
-                    while index < len(links) and links[index].position < position:
-                        verifier.feed(None, links[index])  # a link whose event was deleted
-                        index += 1
-                    link = None
-                    if index < len(links) and links[index].position == position:
-                        link = links[index]
-                        index += 1
-                    state: Any = notification.state
-                    stored = state.encode() if isinstance(state, str) else bytes(state)
-                    topic = str(notification.topic)
-                    originator_id = notification.originator_id
-                    version = notification.originator_version
-                    refold.add(position, leaf_data(position, originator_id, version, topic, stored))
-                    if chained:
-                        verifier.feed(
-                            ChainedEvent(position, originator_id, version, topic, stored), link
-                        )
+                    index, link = link_at(verifier, links, index, position)
+                    feed_row(verifier, refold, notification, link, chained)
                 if check is not None and (
                     notification.originator_id in wanted
                     or type(notification.originator_id) is not UUID

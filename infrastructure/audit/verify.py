@@ -18,14 +18,13 @@ from datetime import datetime
 from typing import Any
 
 from secondbox_scheduler.domain.audit.chain import (
-    ChainedEvent,
     ChainVerifier,
     Checkpoint,
     Finding,
     Link,
 )
 from secondbox_scheduler.domain.audit.fold import AuditFold
-from secondbox_scheduler.domain.audit.merkle import MerkleRefold, leaf_data
+from secondbox_scheduler.domain.audit.merkle import MerkleRefold
 from secondbox_scheduler.domain.audit.state import Violation
 from secondbox_scheduler.domain.errors import InvalidRequestError
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
@@ -42,6 +41,12 @@ from secondbox_scheduler.infrastructure.audit.parallel_verify import (
     can_fork,
     default_workers,
     parallel_fold,
+)
+from secondbox_scheduler.infrastructure.audit.row_steps import (
+    feed_row,
+    link_at,
+    unfoldable,
+    unreadable,
 )
 from secondbox_scheduler.infrastructure.audit.snapshot_check import SnapshotCheck
 from secondbox_scheduler.infrastructure.audit.streams import outside_log
@@ -284,59 +289,21 @@ def _checked_fold(
             index = 0
             for notification in page:
                 position = notification.id
-                while index < len(links) and links[index].position < position:
-                    verifier.feed(None, links[index])  # a link whose event was deleted
-                    index += 1
-                link = None
-                if index < len(links) and links[index].position == position:
-                    link = links[index]
-                    index += 1
+                index, link = link_at(verifier, links, index, position)
                 event: Any = None
                 try:
                     event = decode(notification)
                 except Exception as error:
-                    violations.append(
-                        Violation(position, str(notification.originator_id),
-                                  notification.topic.rpartition(":")[2], "unreadable",
-                                  f"the event cannot be decoded ({type(error).__name__})")
-                    )  # fmt: skip
+                    violations.append(unreadable(notification, error))
                 if after_time is not None and event is not None and event.timestamp > after_time:
                     finished = True
                     break
-                state: Any = notification.state
-                stored = state.encode() if isinstance(state, str) else bytes(state)
-                topic = str(notification.topic)
-                refold.add(
-                    position,
-                    leaf_data(
-                        position,
-                        notification.originator_id,
-                        notification.originator_version,
-                        topic,
-                        stored,
-                    ),
-                )
-                if chained:
-                    verifier.feed(
-                        ChainedEvent(
-                            position,
-                            notification.originator_id,
-                            notification.originator_version,
-                            topic,
-                            stored,
-                        ),
-                        link,
-                    )
+                feed_row(verifier, refold, notification, link, chained)
                 if event is not None:
                     try:
                         audit.apply(position, event)
                     except Exception as error:
-                        violations.append(
-                            Violation(position, str(notification.originator_id),
-                                      type(event).__qualname__, "unfoldable",
-                                      f"the fold cannot apply it ({type(error).__name__}: "
-                                      f"{error})")
-                        )  # fmt: skip
+                        violations.append(unfoldable(notification, event, error))
                     snapshots.apply(event)
                 read += 1
                 if read % PAGE == 0:
