@@ -299,8 +299,8 @@ def parallel_fold(
     head = app.recorder.max_notification_id() or 0
     read_until = head if stop is None else min(stop, head)
     env = dict(app.env)
-    # 2: the snapshot check beside the fold, on the events it decodes
-    parts = [(True, False)] if workers <= 2 else [(True, False), (False, True)]
+    # 2: the snapshot check beside the chain, on the events of its streams it decodes
+    parts = [(True, True)] if workers <= 2 else [(True, False), (False, True)]
     context = multiprocessing.get_context("fork")
     children = []
     for chain, snapshots in parts:
@@ -311,7 +311,7 @@ def parallel_fold(
         sender.close()
         children.append((process, receiver, arguments))
     try:
-        folded = fold_part(app, read_until, stop, progress, snapshots=len(parts) == 1)
+        folded = fold_part(app, read_until, stop, progress)
     except BaseException:  # the fold's error (or an interrupt) is the verify's: no wait
         for process, receiver, _ in children:
             process.terminate()
@@ -319,9 +319,7 @@ def parallel_fold(
             receiver.close()
         raise
     results = [_result(app, *child) for child in children]
-    if folded.snapshots is not None:
-        return folded, results[0], folded.snapshots
-    return folded, results[0], results[1]
+    return folded, results[0], results[-1]
 
 
 def _result(
