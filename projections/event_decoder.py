@@ -49,7 +49,7 @@ from eventsourcing.persistence import (
 from eventsourcing.utils import resolve_topic
 
 Convert = Callable[[Any], Any]
-Path = tuple[str, ...]
+Path = tuple[tuple[str, ...], str]  # the keys of the object holding it, its own key
 MAX_PATHS = 16  # past this many places for one topic, its events are walked
 _TYPE_KEY = b'"_type_"'
 _BIG = float(2**63)  # orjson reads an integer beyond 64 bits as a float at least this big
@@ -139,14 +139,13 @@ class EventDecoder:
             return False
         decoders = self._decoders
         converted = 0
-        for path in paths:
+        for parents, key in paths:
             holder: Any = state
-            for key in path[:-1]:
-                holder = holder.get(key)
+            for parent in parents:
+                holder = holder.get(parent)
                 if type(holder) is not dict:
                     break
             else:
-                key = path[-1]
                 value = holder.get(key)
                 if type(value) is dict:
                     data = value.get("_data_")
@@ -181,7 +180,7 @@ def _is_typed(value: dict[str, Any]) -> bool:
     return len(value) == 2 and "_type_" in value and "_data_" in value
 
 
-def _type_paths(obj: dict[str, Any], prefix: Path) -> list[Path] | None:
+def _type_paths(obj: dict[str, Any], prefix: tuple[str, ...]) -> list[Path] | None:
     """The key paths of the transcoder's objects in a parsed state (not yet converted),
     each holding a string; None when one sits in a list or holds anything but a string
     (those topics are walked)."""
@@ -192,7 +191,7 @@ def _type_paths(obj: dict[str, Any], prefix: Path) -> list[Path] | None:
             if _is_typed(value):
                 if type(value["_data_"]) is not str:
                     return None
-                paths.append((*prefix, key))
+                paths.append((prefix, key))
             else:
                 inner = _type_paths(value, (*prefix, key))
                 if inner is None:
