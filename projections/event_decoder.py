@@ -63,7 +63,7 @@ class _Topic:
     """What the decoder knows of one topic: its class, id convertor and class version,
     and the key paths of its transcoder's objects (None: walk its events)."""
 
-    __slots__ = ("cls", "convert_id", "class_version", "paths")
+    __slots__ = ("class_version", "cls", "convert_id", "paths")
 
     def __init__(self, cls: type[Any], convert_id: Convert, class_version: int) -> None:
         self.cls, self.convert_id, self.class_version = cls, convert_id, class_version
@@ -128,9 +128,7 @@ class EventDecoder:
         object.__setattr__(event, "__dict__", state)
         return event
 
-    def _at_paths(
-        self, state: dict[str, Any], paths: tuple[Path, ...], raw: Any
-    ) -> bool | None:
+    def _at_paths(self, state: dict[str, Any], paths: tuple[Path, ...], raw: Any) -> bool | None:
         """Convert the transcoder's objects at ``paths`` in place; True when that is
         exactly what the walk would do (the module docstring). False: the bytes are not
         orjson's writing of the state (``state`` untouched, to be walked); None: the

@@ -101,7 +101,8 @@ def test_clean_events_are_converted_at_their_paths_without_the_walk(
     assert walks[0] == 0
     fenced = next(n for n in notifications if n.topic.endswith("AssignmentFenced"))
     paths = decode._topics[fenced.topic].paths  # type: ignore[union-attr]
-    assert paths is not None and (("placement",), "decided_at") in paths
+    assert paths is not None
+    assert (("placement",), "decided_at") in paths
 
 
 def _variants(fenced: Notification) -> dict[str, bytes]:
@@ -132,9 +133,7 @@ def _variants(fenced: Notification) -> dict[str, bytes]:
             lambda s: s["placement"].update(decided_at={"_type_": "nope", "_data_": "x"})
         ),
         "a path's object of another type": at(
-            lambda s: s["placement"].update(
-                decided_at={"_type_": "uuid_hex", "_data_": "0" * 32}
-            )
+            lambda s: s["placement"].update(decided_at={"_type_": "uuid_hex", "_data_": "0" * 32})
         ),
         "a path holding null": at(lambda s: s["placement"].update(decided_at=None)),
         "the key's name as a string value": at(lambda s: s.update(note="_type_")),
@@ -229,7 +228,10 @@ DECODER_EDITS: dict[str, Callable[[Raw], int]] = {
 @pytest.mark.parametrize("kind", ["sqlite", "postgres"])
 @pytest.mark.parametrize("edit", DECODER_EDITS)
 def test_audit_verify_finds_with_the_paths_what_it_finds_with_the_walk(
-    edit: str, kind: str, copy_of: Callable[[str], Copy], monkeypatch: pytest.MonkeyPatch  # noqa: F811
+    edit: str,
+    kind: str,
+    copy_of: Callable[[str], Copy],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     copy = copy_of(kind)
     DECODER_EDITS[edit](copy.raw)

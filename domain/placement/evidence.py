@@ -80,13 +80,14 @@ def rank_record(key: RankKey) -> RankRecord:
 
 def rank_key_from_record(runner_id: str, rank: RankRecord | None) -> tuple[int | str, ...]:
     """The ranking key a candidate record states (missing amounts count as 0)."""
-    get = (rank or {}).get  # the four of RANK_FIELDS, in its order (no generator: the
-    # audit reads every home decision's candidates)
+    stated: RankRecord = rank or {}
+    # the four of RANK_FIELDS, in its order (no generator: the audit ranks every home
+    # decision's candidates)
     return (
-        -int(get("artifact_locality", 0)),
-        -int(get("free_instances", 0)),
-        -int(get("free_vcpu_count", 0)),
-        -int(get("free_memory_bytes", 0)),
+        -int(stated.get("artifact_locality", 0)),
+        -int(stated.get("free_instances", 0)),
+        -int(stated.get("free_vcpu_count", 0)),
+        -int(stated.get("free_memory_bytes", 0)),
         runner_id,
     )
 
