@@ -12,6 +12,7 @@ each must still decode as the mapper decodes it, and the walk must be what did i
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -37,9 +38,11 @@ STAMP = {"_type_": "datetime_iso", "_data_": "2026-01-02T03:04:05+00:00"}
 
 
 @pytest.fixture
-def app(simulated: Path) -> Iterator[SchedulerApplication]:  # noqa: F811
+def app(simulated: Path, tmp_path: Path) -> Iterator[SchedulerApplication]:  # noqa: F811
+    copy = tmp_path / "history.db"  # the session's history stays as written
+    shutil.copyfile(simulated, copy)
     opened = SchedulerApplication(
-        env={"SECONDBOX_DATABASE_URL": f"sqlite:///{simulated}", "SECONDBOX_READ_MODELS": "off"}
+        env={"SECONDBOX_DATABASE_URL": f"sqlite:///{copy}", "SECONDBOX_READ_MODELS": "off"}
     )
     yield opened
     opened.close()
