@@ -1,7 +1,7 @@
 """CPU cost of the batched placement path in one process, for before/after comparisons.
 
     .venv/bin/python scripts/profile_batch.py [--batch 32] [--placements 3200] [--profile]
-        [--threads N] [--runners 200] [--extra N] [--sort tottime] [--top 25]
+        [--threads N] [--runners 200] [--extra N] [--sort tottime] [--top 25] [--cpu-timer]
 
 Registers 200 roomy runners (``--runners``), loads them into the aggregate cache as a
 long-running replica has them, and creates the sandboxes (untimed; ``--extra`` more that
@@ -55,6 +55,11 @@ def main() -> None:
         default=0,
         help="N concurrent callers of schedule (the batcher groups them) instead of schedule_many",
     )
+    parser.add_argument(
+        "--cpu-timer",
+        action="store_true",
+        help="cProfile on process CPU time (time.process_time) instead of wall time",
+    )
     parser.add_argument("--runners", type=int, default=200)
     parser.add_argument(
         "--extra", type=int, default=0, help="more sandboxes created (untimed) and not placed"
@@ -77,7 +82,8 @@ def main() -> None:
         for runner_id in snapshots:  # a long-running replica has its runners cached
             app.repository.get(runner_uuid(runner_id))
             app.repository.get(lease_uuid(runner_id))
-        profiler = cProfile.Profile() if args.profile else None
+        timer = time.process_time if args.cpu_timer else time.perf_counter
+        profiler = cProfile.Profile(timer) if args.profile else None
         wall, cpu, machine = time.perf_counter(), time.process_time(), machine_cpu_seconds()[0]
         if profiler:
             profiler.enable()

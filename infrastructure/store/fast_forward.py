@@ -28,6 +28,7 @@ from psycopg.rows import tuple_row
 from psycopg.sql import SQL, Composed, Identifier
 
 from secondbox_scheduler.infrastructure.store.sealed_snapshots import SealedSnapshots
+from secondbox_scheduler.infrastructure.store.typed_arrays import BigintArray, UUIDArray
 from secondbox_scheduler.projections.event_log import rendered
 
 
@@ -73,7 +74,10 @@ def _select_events_after(
     """Stored events after the given version of each stream, each stream in order."""
     if isinstance(recorder, PostgresAggregateRecorder):
         statement = _select_after(recorder.datastore.schema, recorder.events_table_name)
-        arrays = [[stream[0] for stream in streams], [stream[1] for stream in streams]]
+        arrays = [
+            UUIDArray([stream[0] for stream in streams]),
+            BigintArray([stream[1] for stream in streams]),
+        ]
         with (
             recorder.datastore.get_connection() as connection,
             connection.cursor(row_factory=tuple_row, binary=True) as cursor,

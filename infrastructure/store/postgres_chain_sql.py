@@ -12,6 +12,13 @@ from eventsourcing.persistence import StoredEvent
 from eventsourcing.postgres import PostgresAggregateRecorder
 from psycopg.sql import SQL, Composed, Identifier, Literal
 
+from secondbox_scheduler.infrastructure.store.typed_arrays import (
+    BigintArray,
+    ByteaArray,
+    TextArray,
+    ids_array,
+)
+
 MAX_IDENTIFIER_LENGTH = 63  # PostgreSQL's NAMEDATALEN - 1
 
 
@@ -99,12 +106,13 @@ def compiled(statement: Composed) -> bytes:
 
 
 def unnested(stored_events: Sequence[StoredEvent]) -> tuple[list[Any], ...]:
-    """The four arrays (ids, versions, topics, states) of ``stored_events``."""
+    """The four arrays (ids, versions, topics, states) of ``stored_events``, each typed
+    (:mod:`.typed_arrays`)."""
     return (
-        [s.originator_id for s in stored_events],
-        [s.originator_version for s in stored_events],
-        [s.topic for s in stored_events],
-        [s.state for s in stored_events],
+        ids_array(s.originator_id for s in stored_events),
+        BigintArray([s.originator_version for s in stored_events]),
+        TextArray([s.topic for s in stored_events]),
+        ByteaArray([s.state for s in stored_events]),
     )
 
 

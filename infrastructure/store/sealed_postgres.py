@@ -43,6 +43,7 @@ from secondbox_scheduler.infrastructure.store.server_append import (
     append_with_snapshots_statement,
 )
 from secondbox_scheduler.infrastructure.store.state_compression import compress_states_with_lz4
+from secondbox_scheduler.infrastructure.store.typed_arrays import ids_array
 from secondbox_scheduler.infrastructure.store.write_timeouts import (
     DEFAULT_WRITE_LOCK_TIMEOUT_MS,
     timeouts_as_contention,
@@ -310,7 +311,7 @@ class SealedPostgresSnapshots(SavesInServer, SealedSnapshots, PostgresAggregateR
         if not originator_ids:
             return {}, [], set()
         statement = self._statements["latest_and_after"]
-        ids = list(originator_ids)
+        ids = ids_array(originator_ids)
         with (
             self.datastore.get_connection() as conn,
             conn.cursor(row_factory=tuple_row, binary=True) as curs,

@@ -119,6 +119,7 @@ def run_bench(
                     report["contention_batched"] = measure_contention(
                         pool, app, env, settings, progress,
                         threads=settings.callers, pool_name="hotbatch",
+                        sandboxes=settings.batched_contention_sandboxes,
                     )  # fmt: skip
                     report["new_sandbox"] = measure_new_sandbox(
                         pool, app, env, settings, report["batched"]["per_second"] or rate,

@@ -232,10 +232,13 @@ def measure_contention(
     *,
     threads: int = 1,
     pool_name: str = "hot",
+    sandboxes: int | None = None,
 ) -> dict[str, Any]:
+    """``sandboxes`` homed on the hot runners (``settings.contention_sandboxes`` unless
+    given), each scheduled once by the workers' ``threads`` callers."""
     rng = random.Random(settings.seed + 1)
     at = now()
-    count = settings.contention_sandboxes
+    count = sandboxes or settings.contention_sandboxes
     room = math.ceil(count * HOT_FILL / HOT_RUNNERS)
     progress(f"contention: {count:,} sandboxes on {HOT_RUNNERS} runners with room for {room:,}")
     fleet = roomy_fleet(pool_name, HOT_RUNNERS, instances=room)
