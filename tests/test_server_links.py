@@ -4,6 +4,7 @@ schema has no such function (infrastructure/store/chained_postgres.py)."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 
 import psycopg
@@ -99,6 +100,33 @@ def test_a_save_refused_by_the_server_stores_nothing(
             recorder.insert_events([_event("topic:b", b"2"), first])
         assert chain_head(recorder) == head
         assert len(recorder.select_notifications(start=1, limit=10)) == 1
+        _relinked(recorder)
+    finally:
+        app.close()
+
+
+def test_a_refused_save_ends_its_transaction_before_the_connection_goes_back(
+    postgres_schema: PostgresSchema, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The save's transaction is written out as statements (``_appended``): one the
+    server refused is rolled back as the error leaves the pool's connection block, so
+    the pool gets its connection back idle (it warns and rolls back a connection that
+    comes back inside a transaction), and the next save commits."""
+    app = SchedulerApplication(env=postgres_schema.env(), now=clock)
+    try:
+        recorder = _recorder(app)
+        first = _event("topic:a", b"1")
+        recorder.insert_events([first])
+        with caplog.at_level(logging.WARNING, logger="psycopg.pool"):
+            for _ in range(3):  # whichever of the pool's connections the save took
+                with pytest.raises(IntegrityError):
+                    recorder.insert_events([_event("topic:b", b"2"), first])
+        assert not [r for r in caplog.records if "rolling back" in r.getMessage()]
+        with recorder.datastore.get_connection() as conn:
+            assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        later = _event("topic:c", b"3")
+        assert recorder.insert_events([later])
+        assert len(recorder.select_notifications(start=1, limit=10)) == 2
         _relinked(recorder)
     finally:
         app.close()

@@ -38,7 +38,6 @@ from eventsourcing.persistence import (
 from eventsourcing.postgres import PostgresApplicationRecorder, PostgresDatastore
 from eventsourcing.utils import retry
 from psycopg import Rollback
-from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 from psycopg.sql import SQL, Identifier, Literal
 
@@ -388,22 +387,19 @@ class ChainedPostgresRecorder(SavesInServer, ChainedRecorder, PostgresApplicatio
         ``SET LOCAL``, the call and the ``COMMIT`` together). The transaction is
         written out as statements on the pool's autocommit connection rather than
         psycopg's ``transaction()`` block (about 90 us less Python per save, measured
-        alone; the same statements reach the server): whatever fails, the session is
-        rolled back before the error goes on, as that block would."""
+        alone; the same statements reach the server). Whatever fails (the server
+        skips the rest of the pipeline after an error, ``COMMIT`` included), the
+        pool's connection block rolls the session back before the error goes on."""
         with (
             self.datastore.get_connection() as conn,
             conn.cursor() as commands,
             conn.cursor(row_factory=tuple_row) as appended,
         ):
-            try:
-                with conn.pipeline():
-                    commands.execute(BEGIN)
-                    commands.execute(self.statement_timeout_statement)
-                    appended.execute(statement, params, prepare=True)
-                    commands.execute(COMMIT)
-            except BaseException:
-                _roll_back(conn)
-                raise
+            with conn.pipeline():
+                commands.execute(BEGIN)
+                commands.execute(self.statement_timeout_statement)
+                appended.execute(statement, params, prepare=True)
+                commands.execute(COMMIT)
             rows = appended.fetchall()
         return self._positions(rows, stored_events)
 
@@ -415,14 +411,3 @@ class ChainedPostgresRecorder(SavesInServer, ChainedRecorder, PostgresApplicatio
                 f"expected {len(stored_events)})"
             )
         return [int(row[0]) for row in rows]
-
-
-def _roll_back(conn: Any) -> None:
-    """End the transaction a failed save left open (the server skipped the rest of the
-    pipeline after the error, ``COMMIT`` included); a session that cannot is closed, so
-    that the pool never hands out a connection inside a transaction."""
-    try:
-        if not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
-            conn.rollback()
-    except Exception:
-        conn.close()
