@@ -392,7 +392,7 @@ class ChainedPostgresRecorder(SavesInServer, ChainedRecorder, PostgresApplicatio
         pool's connection block rolls the session back before the error goes on."""
         with (
             self.datastore.get_connection() as conn,
-            conn.cursor() as commands,
+            conn.cursor(row_factory=tuple_row) as commands,
             conn.cursor(row_factory=tuple_row) as appended,
         ):
             with conn.pipeline():
