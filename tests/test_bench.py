@@ -265,6 +265,9 @@ def test_quick_bench_on_postgres_works_in_a_schema_it_drops(
         },
     )  # fmt: skip
     assert report["http"]["database_cpu_ms_per_placement"] > 0  # its backends, by title
+    # in process too: the workers' own CPU and the database's backends, apart from the machine
+    assert report["batched"]["scheduler_cpu_ms_per_placement"] > 0
+    assert report["batched"]["database_cpu_ms_per_placement"] > 0
     assert report["failures"] == []
     with psycopg.connect(postgres_server.conninfo()) as conn:
         found = conn.execute(
@@ -393,6 +396,34 @@ def test_deferred_placements_are_counted_per_call_and_shown_in_the_batched_row()
     console = Console(width=300, record=True)
     console.print(table)
     assert "4.0% deferred" in console.export_text()
+
+
+def test_the_scheduler_cpu_per_placement_sums_the_workers_and_shows_in_the_batched_row() -> None:
+    """Each worker's own CPU over its run, summed, per placement; PostgreSQL's backends
+    from worker 0's window; runs without them (raw, row lock) report neither."""
+    results = [
+        WorkerResult(worker=w, started=0.0, finished=1.0, calls=100, latencies_ms=[1.0],
+                     outcomes={"placed": 100}, own_cpu_seconds=own,
+                     database_cpu_seconds=0.02 if w == 0 else None)
+        for w, own in ((0, 0.05), (1, 0.07))
+    ]  # fmt: skip
+    summary = summarize(results)
+    assert summary["scheduler_cpu_ms_per_placement"] == 0.6  # 120 ms over 200 placements
+    assert summary["database_cpu_ms_per_placement"] == 0.1
+    bare = [
+        WorkerResult(worker=0, started=0.0, finished=1.0, calls=10, latencies_ms=[1.0],
+                     outcomes={"placed": 10})
+    ]  # fmt: skip
+    assert "scheduler_cpu_ms_per_placement" not in summarize(bare)
+    report = {
+        "settings": {"workers": 2},
+        "batched": {**summary, "callers_per_worker": 10, "runners": 1000},
+    }
+    table = throughput_table(report)
+    assert table is not None
+    console = Console(width=300, record=True)
+    console.print(table)
+    assert "scheduler 0.60 ms, PostgreSQL 0.10 ms/placement" in console.export_text()
 
 
 # -- each goal's verdict against its line (a bench that can fail) -------------

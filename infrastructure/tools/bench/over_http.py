@@ -46,8 +46,6 @@ from secondbox_scheduler.domain.values import ScheduleRequest
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.settings import (
     DATABASE_URL,
-    POSTGRES_MODULE,
-    settings_from_url,
 )
 from secondbox_scheduler.infrastructure.tools.bench.database import settle
 from secondbox_scheduler.infrastructure.tools.bench.errors import BenchError
@@ -77,6 +75,7 @@ from secondbox_scheduler.infrastructure.tools.bench.workers import (
     WorkerPool,
     WorkerResult,
     _cpu_window,
+    database_name,
     machine_cpu_seconds,
     summarize,
 )
@@ -340,14 +339,6 @@ def replicas(database_url: str, count: int) -> Iterator[Replicas]:
                 process.communicate()
 
 
-def _database_name(env: dict[str, str]) -> str | None:
-    """The PostgreSQL database of the run (None on SQLite)."""
-    found = settings_from_url(env[DATABASE_URL])
-    if found.get("PERSISTENCE_MODULE") != POSTGRES_MODULE:
-        return None
-    return found.get("POSTGRES_DBNAME") or None
-
-
 def _with_cpu(summary: dict[str, Any], results: list[WorkerResult]) -> dict[str, Any]:
     """The serve processes' and PostgreSQL's CPU per placement (worker 0's window)."""
     first, placed = results[0], summary.get("placed", 0)
@@ -402,7 +393,7 @@ def measure_http(
                 seed=settings.seed,
                 connections=connections,
                 serve_pids=tuple(served.pids),
-                database_name=_database_name(env),
+                database_name=database_name(env),
             )
             for index in range(settings.workers)
         ]
@@ -453,7 +444,7 @@ def measure_http_new_sandbox(
                 connections=connections,
                 create_first=True,
                 serve_pids=tuple(served.pids),
-                database_name=_database_name(env),
+                database_name=database_name(env),
             )
             for index in range(settings.workers)
         ]

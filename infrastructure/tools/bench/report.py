@@ -82,7 +82,7 @@ def throughput_table(report: dict[str, Any]) -> Table | None:
         label = (
             f"batched: {batched['callers_per_worker']} callers/worker over "
             f"{batched['runners']:,} runners (mean batch {batched.get('batch_size_mean', 1)}"
-            f"{_deferred(batched)})"
+            f"{_deferred(batched)}){_scheduler_cpu(batched)}"
         )
         add(label, batched, batched["per_second"], of(batched["per_second"], one, " of raw 1"))
     steady = report.get("batched_steady")
@@ -132,6 +132,19 @@ def _http_cpu(run: dict[str, Any]) -> str:
     if serve is None:
         return ""
     shown = f" (serve {serve:.2f} ms"
+    if database is not None:
+        shown += f", PostgreSQL {database:.2f} ms"
+    return shown + "/placement)"
+
+
+def _scheduler_cpu(run: dict[str, Any]) -> str:
+    """CPU per placement of the worker processes and of PostgreSQL's backends (in
+    process), apart from the rest of the machine."""
+    scheduler = run.get("scheduler_cpu_ms_per_placement")
+    database = run.get("database_cpu_ms_per_placement")
+    if scheduler is None:
+        return ""
+    shown = f" (scheduler {scheduler:.2f} ms"
     if database is not None:
         shown += f", PostgreSQL {database:.2f} ms"
     return shown + "/placement)"

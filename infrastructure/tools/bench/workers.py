@@ -44,12 +44,20 @@ from secondbox_scheduler.domain.errors import (
 )
 from secondbox_scheduler.domain.ids import lease_uuid, runner_uuid
 from secondbox_scheduler.infrastructure.gc_tuning import tune_gc
-from secondbox_scheduler.infrastructure.settings import DATABASE_URL, settings_from_url
+from secondbox_scheduler.infrastructure.settings import (
+    DATABASE_URL,
+    POSTGRES_MODULE,
+    settings_from_url,
+)
 from secondbox_scheduler.infrastructure.tools.bench.errors import BenchError, BenchWorkerError
 from secondbox_scheduler.infrastructure.tools.bench.fleet import (
     REQUESTED,
     bench_requirements,
     schedule_request,
+)
+from secondbox_scheduler.infrastructure.tools.bench.process_cpu import (
+    database_backends,
+    used_since,
 )
 from secondbox_scheduler.infrastructure.tools.bench.timing import percentile
 
@@ -159,7 +167,10 @@ class WorkerResult:
     deferred: int = 0  # placements a batch handed back (their runner held by a rival)
     acknowledged: tuple[str, ...] = ()  # sandboxes whose placement a caller was answered
     serve_cpu_seconds: float | None = None  # over HTTP, worker 0: the serve processes'
-    database_cpu_seconds: float | None = None  # over HTTP, worker 0: PostgreSQL backends'
+    # over HTTP and in process (schedule runs), worker 0: the database's PostgreSQL backends'
+    database_cpu_seconds: float | None = None
+    # schedule runs in process: this worker process's own CPU (all its threads) in its run
+    own_cpu_seconds: float | None = None
 
 
 def machine_cpu_seconds() -> tuple[float, float]:
@@ -271,8 +282,11 @@ def _run_schedule(
         else None
     )
     late = [0]
+    database = database_name(job.env) if index == 0 else None
     barrier.wait(BARRIER_TIMEOUT)
     cpu_before = machine_cpu_seconds()
+    database_before = database_backends(database) if database else {}
+    own_before = time.process_time()
     started = time.perf_counter()
     deadline = math.inf if job.seconds is None else started + job.seconds
     last = [started]
@@ -332,6 +346,8 @@ def _run_schedule(
         thread.start()
     for thread in threads:
         thread.join()
+    own_cpu = time.process_time() - own_before
+    database_cpu = used_since(database_before, database_backends(database)) if database else None
     batches = Counter(app.metrics.batch_sizes)
     batches.subtract(batches_before)
     return WorkerResult(
@@ -349,7 +365,17 @@ def _run_schedule(
         late_starts=late[0],
         deferred=app.metrics.placements_deferred - deferred_before,
         acknowledged=tuple(acknowledged),
+        database_cpu_seconds=database_cpu,
+        own_cpu_seconds=own_cpu,
     )
+
+
+def database_name(env: dict[str, str]) -> str | None:
+    """The PostgreSQL database of the run (None on SQLite)."""
+    found = settings_from_url(env[DATABASE_URL])
+    if found.get("PERSISTENCE_MODULE") != POSTGRES_MODULE:
+        return None
+    return found.get("POSTGRES_DBNAME") or None
 
 
 def _arrivals(per_second: float, count: int, seed: int) -> list[float]:
@@ -545,6 +571,23 @@ def summarize(results: list[WorkerResult], *, count: str = "placed") -> dict[str
             else None
         ),
         **_batches(batch_sizes),
+        **_process_cpu(results, done),
+    }
+
+
+def _process_cpu(results: list[WorkerResult], done: int) -> dict[str, Any]:
+    """CPU per placement of the scheduler (the worker processes, every thread) and of
+    the database's PostgreSQL backends (worker 0's window), apart from the rest of a
+    shared machine (schedule runs in process; empty for the others)."""
+    own = [r.own_cpu_seconds for r in results if r.own_cpu_seconds is not None]
+    if not own or not done:
+        return {}
+    database = results[0].database_cpu_seconds
+    return {
+        "scheduler_cpu_ms_per_placement": round(sum(own) * 1000 / done, 3),
+        "database_cpu_ms_per_placement": (
+            None if database is None else round(database * 1000 / done, 3)
+        ),
     }
 
 
