@@ -149,11 +149,17 @@ def _load_together(app: Application[UUID], ids: list[UUID], cache_new: bool) -> 
     found: dict[UUID, Any] = {}  # cached instances: returned as copies
     fresh: dict[UUID, Any] = {}  # read now and not cached: returned as they are
     keep = found if cache_new else fresh
+    # the locks guard the cached instances, which are fast-forwarded in place, and the
+    # cache's entries: without caching what is read (``cache_new=False``), only the ids
+    # in the cache now are locked (a sandbox a batch reads is seldom there, and one that
+    # is cached meanwhile is read from the store like the others, its cached copy left
+    # alone); an id evicted before its lock is taken is read from the store the same way
+    locking = ids if cache_new else [i for i in ids if i in cache.cache]
     with ExitStack() as stack:
-        for aggregate_id in ids:  # in one order, as every batch takes them: no deadlock
+        for aggregate_id in locking:  # in one order, as every batch takes them: no deadlock
             stack.enter_context(_fast_forward_lock(repository, aggregate_id))
         cached: dict[UUID, Any] = {}
-        for aggregate_id in ids:
+        for aggregate_id in locking:
             with suppress(KeyError):
                 cached[aggregate_id] = cache.get(aggregate_id)
         if cached:
