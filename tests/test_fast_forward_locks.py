@@ -47,7 +47,8 @@ def test_uncached_reads_lock_only_what_the_cache_holds(
 
     assert locked == [cached]
     stored, stored_fresh = rival.load_stored(cached), rival.load_stored(fresh)
-    assert stored is not None and stored_fresh is not None
+    assert stored is not None
+    assert stored_fresh is not None
     assert stored.version == 2  # created, then fenced by the rival
     assert loaded[cached].version == stored.version  # fast-forwarded
     assert app.repository.cache.get(cached).version == stored.version  # in place

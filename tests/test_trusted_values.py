@@ -7,14 +7,20 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from secondbox_scheduler.domain.assignment import to_durable_assignment
+from secondbox_scheduler.domain.ids import sandbox_uuid
 from secondbox_scheduler.domain.lease import RunnerLease
 from secondbox_scheduler.domain.runner import Runner, runner_snapshot
+from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.domain.values import (
     Capacity,
+    DurableAssignment,
     MaterializationSnapshot,
     Requirements,
     RunnerSnapshot,
 )
+from secondbox_scheduler.infrastructure import SchedulerApplication
+from tests.factories import create_sandbox, register, schedule_request
 
 AT = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)
 
@@ -97,3 +103,27 @@ def test_a_requirements_record_parses_back_to_the_value_it_was_dumped_from() -> 
         ),
     ):  # fmt: skip
         assert Requirements.from_record(requirements.to_record()) == requirements
+
+
+def test_a_durable_assignment_is_built_as_model_construct_builds_it() -> None:
+    """From a placement's record (every field: the shortcut) and from a record missing
+    one (model_construct itself): the same value, field order and fields set."""
+    app = SchedulerApplication(env={"PERSISTENCE_MODULE": "eventsourcing.popo"}, now=lambda: AT)
+    register(app, "r1", at=AT)
+    create_sandbox(app, "s1")
+    app.schedule(schedule_request("s1", AT))
+    sandbox = app.load(sandbox_uuid("s1"), Sandbox)
+    assert sandbox is not None
+    record = sandbox.current
+    assert record is not None
+    built = to_durable_assignment(record)
+    fields: dict[str, Any] = dict(record)
+    fields["fencing_token"] = bytes.fromhex(record["fencing_token"])
+    fields["capacity"] = Capacity.of(record["capacity"])
+    for name in ("capability_snapshot", "resolved_artifacts", "release_proof"):
+        fields[name] = dict(record[name])
+    expected = DurableAssignment.model_construct(**fields)
+    _same(built, expected)
+    assert built.model_fields_set == expected.model_fields_set
+    assert built.model_dump(mode="json") == expected.model_dump(mode="json")
+    assert type(vars(built)["capacity"]) is Capacity
