@@ -58,6 +58,8 @@ from psycopg import errors
 from psycopg.sql import SQL, Literal
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from secondbox_scheduler.infrastructure.store.typed_arrays import BigintArray
+
 log = logging.getLogger(__name__)
 
 LOCK_WAIT_MS = 2000  # longest wait for each rival lock before going on without
@@ -67,7 +69,7 @@ UNLOCK = "SELECT pg_advisory_unlock_all()"
 # the keys not granted at once (each key tried once, whatever the plan: every row of
 # the array is read, and the aggregate needs them all)
 TRY = (
-    "SELECT coalesce(array_agg(k), '{}') FROM unnest(%s::bigint[]) AS k "
+    "SELECT coalesce(array_agg(k), '{}') FROM unnest(%b::bigint[]) AS k "
     "WHERE NOT pg_try_advisory_lock(k)"
 )
 
@@ -226,7 +228,7 @@ class RunnerLocks:
                 connection.execute(take)
             if not attempt:
                 return set()
-            row = connection.execute(TRY, (attempt,)).fetchone()
+            row = connection.execute(TRY, (BigintArray(attempt),)).fetchone()
             return set(row[0]) if row is not None else set(attempt)
         except errors.LockNotAvailable:
             log.info("runner locks not granted in %s ms: deciding without", LOCK_WAIT_MS)
