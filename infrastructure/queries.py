@@ -70,7 +70,12 @@ class SchedulerQueries:
         return sandbox
 
     def home_candidates(
-        self, requirements: Requirements, now: datetime, heartbeat_timeout: timedelta
+        self,
+        requirements: Requirements,
+        now: datetime,
+        heartbeat_timeout: timedelta,
+        *,
+        catch_up: bool = True,
     ) -> tuple[list[RunnerSnapshot], Unlisted]:
         """The runners to evaluate for a home decision, and counts of the pool's others:
         with the read model, the pool's prefiltered candidates a page at a time
@@ -80,8 +85,9 @@ class SchedulerQueries:
         without reading the pool (:mod:`secondbox_scheduler.projections.unmatched`).
         The runner the rules choose among the read model's candidates is checked
         against its aggregates first (:mod:`.home_check`): the home recorded is always
-        true by the aggregates."""
-        read_models = self.current_read_models()
+        true by the aggregates. ``catch_up=False``: the caller caught the read models up
+        for this decision already (a creation batch, once for all its creations)."""
+        read_models = self.current_read_models() if catch_up else self.read_models
         if read_models is None:
             return self.fold_runner_snapshots(requirements.pool_name), Unlisted()
         unmatched = unmatched_candidates(read_models.runners, requirements, now, heartbeat_timeout)
