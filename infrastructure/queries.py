@@ -31,6 +31,8 @@ from secondbox_scheduler.projections.read_models import ReadModels
 from secondbox_scheduler.projections.runner_index import RunnerIndex
 from secondbox_scheduler.projections.unmatched import unmatched_candidates
 
+RUNNER_SNAPSHOTS = "runner_snapshots"  # the view a home decision reads
+
 
 class SchedulerQueries:
     """The read side of one application: aggregates loaded or read models caught up."""
@@ -184,6 +186,14 @@ class SchedulerQueries:
         """The read models, caught up first unless another process maintains them."""
         if self.read_models is not None and self.catch_up_inline:
             self.read_models.catch_up()
+        return self.read_models
+
+    def runner_snapshots_now(self) -> ReadModels | None:
+        """The read models, the runner snapshots caught up first (what a home decision
+        reads) unless another process maintains them; the other views catch up at
+        their own next query."""
+        if self.read_models is not None and self.catch_up_inline:
+            self.read_models.catch_up(views=(RUNNER_SNAPSHOTS,))
         return self.read_models
 
     def wait_for(self, position: int, timeout: float = 5.0) -> None:

@@ -5,7 +5,8 @@ commit.
 decided as its creations would be one by one, in their order, at one instant: the
 sandboxes already recorded are answered from their records (the recorded home, or
 ``AlreadyExistsError``), then, if any is new, the application's clock is read once, the
-read models are caught up once, and each new sandbox's home is chosen on the candidates
+runner snapshots read model is caught up once (the other views wait for their own next
+query), and each new sandbox's home is chosen on the candidates
 of its requirements (docs/spec.md, section 8.1: the read model's candidates, the
 chosen runner checked against its aggregates, :mod:`..home_check`). A creation changes
 no runner row (``Sandbox.Created`` is ignored by the runner snapshots projection), so
@@ -64,7 +65,7 @@ class CreateRequest:
 
 
 class HomeSearch(Protocol):
-    def current_read_models(self) -> Any: ...
+    def runner_snapshots_now(self) -> Any: ...
 
     def home_candidates(
         self,
@@ -144,7 +145,7 @@ class CreateBatch:
     ) -> None:
         now = self.store.now()
         queries = self.store.queries
-        queries.current_read_models()  # caught up once for the whole batch
+        queries.runner_snapshots_now()  # caught up once for the whole batch
         searched: list[tuple[Requirements, timedelta, tuple[list[RunnerSnapshot], Unlisted]]] = []
         sandboxes: dict[int, Sandbox] = {}
         refusals: list[Refusal] = []

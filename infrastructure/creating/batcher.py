@@ -20,6 +20,7 @@ batch of its own.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 
@@ -29,6 +30,16 @@ from secondbox_scheduler.infrastructure.creating.batch import Created, CreateReq
 from secondbox_scheduler.infrastructure.settings import BATCH_SIZE, BATCHING, batch_setting
 
 DEFAULT_CREATE_BATCH_SIZE = 64
+# The callers a batch answered come back together (a caller's next creation follows its
+# schedule), and the first of them would lead a batch of one while the rest queue
+# behind it (batches of 1, 9, 1, 9, ...; a batch costs about the same whatever its
+# size: one catch-up, one home search). So a leader waits for as many creations as the
+# largest of the last REGROUP_MEMORY batches held to queue again, while they keep
+# arriving: at most REGROUP_GAP after the latest arrival, REGROUP_LIMIT in all. Once
+# REGROUP_MEMORY batches in a row were lone calls, a lone call never waits.
+REGROUP_GAP = 0.003
+REGROUP_LIMIT = 0.010
+REGROUP_MEMORY = 4
 
 RunCreations = Callable[[Sequence[CreateRequest]], Sequence[Created]]
 
@@ -62,8 +73,13 @@ class CreateBatcher:
         self._run = run
         self.size = size
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
         self._queue: deque[_Slot] = deque()
         self._busy = False
+        self._last_sizes: deque[int] = deque(maxlen=REGROUP_MEMORY)  # the latest batches'
+
+        self._wanted = 0  # the calls a regrouping leader waits for (0: none waits)
+        self._last_arrival = 0.0
         self.batch_sizes: Counter[int] = Counter()  # batches run, by size
 
     def create(self, request: CreateRequest) -> str:
@@ -71,8 +87,11 @@ class CreateBatcher:
         slot = _Slot(request)
         with self._lock:
             self._queue.append(slot)
+            self._last_arrival = time.monotonic()
             if not self._busy:
                 self._busy = slot.lead = True
+            elif 0 < self._wanted <= len(self._queue):
+                self._arrived.notify()  # the regrouping leader has all it waits for
         try:
             if not slot.lead:
                 slot.wait()
@@ -104,9 +123,30 @@ class CreateBatcher:
         self._queue = deque(kept)
         return batch
 
+    def _regroup(self) -> None:
+        """(Holding ``self._lock``, released while waiting.) After batches of several,
+        wait for as many calls to queue while they keep arriving (the constants above)."""
+        wanted = min(self.size, max(self._last_sizes, default=0))
+        if wanted < 2:
+            return
+        start = time.monotonic()
+        deadline = start + REGROUP_LIMIT
+        self._wanted = wanted
+        try:
+            while len(self._queue) < wanted:
+                timeout = min(deadline, max(self._last_arrival, start) + REGROUP_GAP)
+                timeout -= time.monotonic()
+                if timeout <= 0:
+                    break  # the longest wait is over, or nobody came for the gap
+                self._arrived.wait(timeout)
+        finally:
+            self._wanted = 0
+
     def _lead(self) -> None:
         with self._lock:
+            self._regroup()
             batch = self._take()
+            self._last_sizes.append(len(batch))
             self.batch_sizes[len(batch)] += 1
         try:
             outcomes: Sequence[Created | BaseException] = self._run([s.request for s in batch])
