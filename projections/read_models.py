@@ -178,6 +178,7 @@ class ReadModels:
         self._decode = EventDecoder(app.mapper)  # learns each topic once, for every catch-up
         self._lock = threading.Lock()
         self._positions_ensured = writes
+        self._end = 0  # the end of the catch-up under way (held by ``self._lock``)
 
     @property
     def runners(self) -> RunnerSnapshotsView:
@@ -264,11 +265,10 @@ class ReadModels:
                 self._positions_ensured = True
             while True:
                 try:
-                    return self._catch_up(
-                        until, progress, page_size, asynchronous_commit, views
-                    )
-                except IntegrityError:
-                    continue  # another replica applied a page first: read the new positions
+                    return self._catch_up(until, progress, page_size, asynchronous_commit, views)
+                except IntegrityError:  # another replica applied a page first: read the new
+                    until = self._end  # positions, and go on to the same end (the head
+                    continue  # when this catch-up started), not to a head that moved since
 
     def _catch_up(
         self,
@@ -285,6 +285,7 @@ class ReadModels:
             if position > head:  # never skipped silently: it would stop the read model
                 raise ReadModelAheadError(name, position, head)
         end = head if until is None else min(until, head)
+        self._end = end  # a lost race goes on to it (:meth:`catch_up`)
         after = min(positions.values())
         read = 0
         for events, reached in self._pages(after, end, page_size, names):

@@ -9,7 +9,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -263,8 +263,10 @@ def test_concurrent_batched_catch_ups_apply_each_event_once(store: Store, clock:
     ahead, behind = read_models_of(first), read_models_of(second)
     original = behind._pages
 
-    def interleaved(after: int, end: int, page_size: int = 1000) -> Iterator[Any]:
-        for page in original(after, end, page_size):
+    def interleaved(
+        after: int, end: int, page_size: int = 1000, names: Collection[str] | None = None
+    ) -> Iterator[Any]:
+        for page in original(after, end, page_size, names):
             ahead.catch_up(until=(after + head) // 2)  # overtakes part of this page
             yield page
 
