@@ -26,9 +26,10 @@ caller's actor (:mod:`..acting`), not the leader's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any, Protocol
 from uuid import UUID
 
@@ -90,6 +91,8 @@ class CreationStore(Protocol):
     def load_many(
         self, aggregate_ids: Sequence[UUID], *, cache_new: bool = True
     ) -> dict[UUID, Any]: ...
+
+    def save(self, *objs: Any) -> Any: ...
 
     def save_in_order(self, events: Sequence[Any], aggregates: Sequence[Any] = ()) -> None: ...
 
@@ -189,31 +192,39 @@ class CreateBatch:
         outcomes: list[Created | None],
     ) -> None:
         """One transaction for every new sandbox; a lost race: each alone."""
+        if len(sandboxes) == 1:  # a lone creation: saved as before batching
+            ((index, sandbox),) = sandboxes.items()
+            stamp(sandbox.pending_events, requests[index].actor)
+            outcomes[index] = self._saved(
+                requests[index], sandbox, partial(self.store.save, sandbox)
+            )
+            return
         events: dict[int, list[Any]] = {}
         for index, sandbox in sandboxes.items():
             events[index] = list(sandbox.collect_events())
             stamp(events[index], requests[index].actor)  # its own caller's, in a batch
-        if len(sandboxes) > 1:
-            try:
-                self.store.save_in_order(
-                    [event for index in sandboxes for event in events[index]],
-                    list(sandboxes.values()),
-                )
-            except IntegrityError:
-                pass  # another replica created one of them first: each alone
-            else:
-                for index, sandbox in sandboxes.items():
-                    outcomes[index] = sandbox.home_runner_id
-                return
-        for index, sandbox in sandboxes.items():
-            outcomes[index] = self._save_one(requests[index], sandbox, events[index])
-
-    def _save_one(self, request: CreateRequest, sandbox: Sandbox, events: list[Any]) -> Created:
         try:
-            self.store.save_in_order(events, [sandbox])
-            return sandbox.home_runner_id
+            self.store.save_in_order(
+                [event for index in sandboxes for event in events[index]],
+                list(sandboxes.values()),
+            )
+        except IntegrityError:
+            pass  # another replica created one of them first: each alone
+        else:
+            for index, sandbox in sandboxes.items():
+                outcomes[index] = sandbox.home_runner_id
+            return
+        for index, sandbox in sandboxes.items():
+            saving = partial(self.store.save_in_order, events[index], [sandbox])
+            outcomes[index] = self._saved(requests[index], sandbox, saving)
+
+    def _saved(self, request: CreateRequest, sandbox: Sandbox, save: Callable[[], Any]) -> Created:
+        """The answer once ``save`` stored the sandbox, or lost its stream to a rival's."""
+        try:
+            save()
         except IntegrityError:
             existing = self.store.load(sandbox_uuid(request.sandbox_id), Sandbox)
             if existing is None:  # a write timeout, not a rival's creation
                 return SerializationContentionError(1, f"sandbox {request.sandbox_id!r}")
             return answer_existing(existing, request)
+        return sandbox.home_runner_id
