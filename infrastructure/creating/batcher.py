@@ -40,6 +40,12 @@ DEFAULT_CREATE_BATCH_SIZE = 64
 REGROUP_GAP = 0.003
 REGROUP_LIMIT = 0.010
 REGROUP_MEMORY = 4
+# A batch costs about the same whatever its size, so once batches take long (a loaded
+# machine), waiting a share of the latest batch's time for more callers is cheaper than
+# running another batch for them: the gap and the limit grow to REGROUP_SHARE of it, up
+# to REGROUP_CAP.
+REGROUP_SHARE = 0.5
+REGROUP_CAP = 0.050
 
 RunCreations = Callable[[Sequence[CreateRequest]], Sequence[Created]]
 
@@ -77,6 +83,7 @@ class CreateBatcher:
         self._queue: deque[_Slot] = deque()
         self._busy = False
         self._last_sizes: deque[int] = deque(maxlen=REGROUP_MEMORY)  # the latest batches'
+        self._last_seconds = 0.0  # how long the latest batch took to decide and commit
 
         self._wanted = 0  # the calls a regrouping leader waits for (0: none waits)
         self._last_arrival = 0.0
@@ -130,11 +137,12 @@ class CreateBatcher:
         if wanted < 2:
             return
         start = time.monotonic()
-        deadline = start + REGROUP_LIMIT
+        deadline = start + max(REGROUP_LIMIT, self._last_seconds * REGROUP_SHARE)
         self._wanted = wanted
         try:
             while len(self._queue) < wanted:
-                timeout = min(deadline, max(self._last_arrival, start) + REGROUP_GAP)
+                gap = max(REGROUP_GAP, self._last_seconds * REGROUP_SHARE)
+                timeout = min(deadline, max(self._last_arrival, start) + gap)
                 timeout -= time.monotonic()
                 if timeout <= 0:
                     break  # the longest wait is over, or nobody came for the gap
@@ -148,6 +156,7 @@ class CreateBatcher:
             batch = self._take()
             self._last_sizes.append(len(batch))
             self.batch_sizes[len(batch)] += 1
+        started = time.monotonic()
         try:
             outcomes: Sequence[Created | BaseException] = self._run([s.request for s in batch])
             if len(outcomes) != len(batch):
@@ -157,6 +166,7 @@ class CreateBatcher:
         for slot, outcome in zip(batch, outcomes, strict=True):
             slot.outcome, slot.done = outcome, True
         with self._lock:
+            self._last_seconds = min(REGROUP_CAP / REGROUP_SHARE, time.monotonic() - started)
             self._pass_lead()
         for slot in batch:
             if not slot.lead:  # the leader's own slot waits for nothing
