@@ -15,6 +15,16 @@ goes to the mapper itself, so results and errors are always the mapper's: anothe
 or transcoder, a state orjson refuses (NaN) or may read differently (orjson reads an
 integer beyond 64 bits as a float, so any float of that size goes to the mapper).
 ``tests/test_event_decoder.py`` checks that both give equal events for every kind.
+
+The walk visits every object and list of every event; the transcoder's objects of one
+event class sit at the same few places (a timestamp, a decision's time). So each topic
+learns the key paths where its events held them (:func:`_type_paths`, from the events
+walked), and an event of a topic with paths is converted at those paths only, when three
+checks prove the walk would convert exactly those: orjson writes the parsed state back
+to the very bytes stored (no escaped key, no integer read as a float, no other spelling
+of a value), every object at a path is a transcoder's object with a string as its data,
+and the stored bytes name ``"_type_"`` exactly as many times as objects were converted
+(none elsewhere). Otherwise the event is parsed again and walked, as before.
 """
 
 from __future__ import annotations
@@ -39,6 +49,9 @@ from eventsourcing.persistence import (
 from eventsourcing.utils import resolve_topic
 
 Convert = Callable[[Any], Any]
+Path = tuple[tuple[str, ...], str]  # the keys of the object holding it, its own key
+MAX_PATHS = 16  # past this many places for one topic, its events are walked
+_TYPE_KEY = b'"_type_"'
 _BIG = float(2**63)  # orjson reads an integer beyond 64 bits as a float at least this big
 
 
@@ -46,12 +59,23 @@ class _Unsure(Exception):
     """orjson's reading may differ from the json module's: ask the mapper."""
 
 
+class _Topic:
+    """What the decoder knows of one topic: its class, id convertor and class version,
+    and the key paths of its transcoder's objects (None: walk its events)."""
+
+    __slots__ = ("class_version", "cls", "convert_id", "paths")
+
+    def __init__(self, cls: type[Any], convert_id: Convert, class_version: int) -> None:
+        self.cls, self.convert_id, self.class_version = cls, convert_id, class_version
+        self.paths: tuple[Path, ...] | None = ()
+
+
 class EventDecoder:
     """``mapper.to_domain_event`` for a replay, with the per-event overhead cut."""
 
     def __init__(self, mapper: Any) -> None:
         self.mapper = mapper
-        self._topics: dict[str, tuple[type[Any], Convert, int] | None] = {}
+        self._topics: dict[str, _Topic | None] = {}
         transcoder = getattr(mapper, "transcoder", None)
         self.lean = (
             orjson is not None  # else the mapper decodes every event
@@ -80,30 +104,111 @@ class EventDecoder:
         if entry is None or type(stored.originator_id) is not UUID:
             return self.mapper.to_domain_event(stored)
         try:
-            state = orjson.loads(stored.state)
+            raw = stored.state
+            state = orjson.loads(raw)
             if type(state) is not dict:
                 return self.mapper.to_domain_event(stored)
-            self._convert(state)
+            paths = entry.paths
+            done = paths is not None and self._at_paths(state, paths, raw)
+            if done is None:  # not where this topic's were: learn, from a fresh reading
+                state = orjson.loads(raw)
+                self._learn_paths(entry, state)
+            if not done:
+                self._convert(state)
         except Exception:
             return self.mapper.to_domain_event(stored)  # the mapper's result or error
-        cls, convert_id, class_version = entry
-        state["originator_id"] = convert_id(stored.originator_id)
+        cls = entry.cls
+        state["originator_id"] = entry.convert_id(stored.originator_id)
         state["originator_version"] = stored.originator_version
         version = state.pop("class_version", 1)
-        while version < class_version:
+        while version < entry.class_version:
             getattr(cls, f"upcast_v{version}_v{version + 1}")(state)
             version += 1
         event = object.__new__(cls)
         object.__setattr__(event, "__dict__", state)
         return event
 
-    def _learn(self, topic: str) -> tuple[type[Any], Convert, int] | None:
+    def _at_paths(self, state: dict[str, Any], paths: tuple[Path, ...], raw: Any) -> bool | None:
+        """Convert the transcoder's objects at ``paths`` in place; True when that is
+        exactly what the walk would do (the module docstring). False: the bytes are not
+        orjson's writing of the state (``state`` untouched, to be walked); None: the
+        objects are elsewhere or other (``state`` may be converted in part)."""
+        if type(raw) is not bytes or orjson.dumps(state) != raw:
+            return False
+        decoders = self._decoders
+        converted = 0
+        for parents, key in paths:
+            holder: Any = state
+            for parent in parents:
+                holder = holder.get(parent)
+                if type(holder) is not dict:
+                    break
+            else:
+                value = holder.get(key)
+                if type(value) is dict:
+                    data = value.get("_data_")
+                    decoder = decoders.get(value.get("_type_"))  # type: ignore[arg-type]
+                    if len(value) != 2 or type(data) is not str or decoder is None:
+                        return None
+                    holder[key] = decoder(data)
+                    converted += 1
+        return True if converted == raw.count(_TYPE_KEY) else None
+
+    def _learn_paths(self, entry: _Topic, state: dict[str, Any]) -> None:
+        """Add the paths of this (unconverted) state's transcoder's objects to its
+        topic's; a topic whose objects sit where paths cannot name them is walked."""
+        found = _type_paths(state, ())
+        if found is None:
+            entry.paths = None
+            return
+        known = entry.paths or ()
+        paths = known + tuple(path for path in found if path not in known)
+        entry.paths = paths if len(paths) <= MAX_PATHS else None
+
+    def _learn(self, topic: str) -> _Topic | None:
         entry = None
         if self.lean:
             cls = resolve_topic(topic)
-            entry = (cls, find_id_convertor(cls, UUID), getattr(cls, "class_version", 1))
+            entry = _Topic(cls, find_id_convertor(cls, UUID), getattr(cls, "class_version", 1))
         self._topics[topic] = entry
         return entry
+
+
+def _is_typed(value: dict[str, Any]) -> bool:
+    return len(value) == 2 and "_type_" in value and "_data_" in value
+
+
+def _type_paths(obj: dict[str, Any], prefix: tuple[str, ...]) -> list[Path] | None:
+    """The key paths of the transcoder's objects in a parsed state (not yet converted),
+    each holding a string; None when one sits in a list or holds anything but a string
+    (those topics are walked)."""
+    paths: list[Path] = []
+    for key, value in obj.items():
+        kind = type(value)
+        if kind is dict:
+            if _is_typed(value):
+                if type(value["_data_"]) is not str:
+                    return None
+                paths.append((prefix, key))
+            else:
+                inner = _type_paths(value, (*prefix, key))
+                if inner is None:
+                    return None
+                paths.extend(inner)
+        elif kind is list and _holds_typed(value):
+            return None
+    return paths
+
+
+def _holds_typed(items: list[Any]) -> bool:
+    """Whether a transcoder's object sits anywhere inside ``items``."""
+    for value in items:
+        if type(value) is dict:
+            if _is_typed(value) or _type_paths(value, ()) != []:
+                return True
+        elif type(value) is list and _holds_typed(value):
+            return True
+    return False
 
 
 def _converter(decoders: dict[str, Convert]) -> Callable[[dict[str, Any]], None]:

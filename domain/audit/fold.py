@@ -161,13 +161,17 @@ class AuditFold(RunnerChecks, SandboxChecks, LogTimes):
             f"#{pending.position} has no matching {WANTED[pending.kind]} {where}",
         )
 
-    def _completes(self, pending: Pending, event: Any) -> bool:
-        wanted = {
+    # the event class that completes each kind of pending part of a transaction
+    COMPLETING: ClassVar[Mapping[str, type[Any]]] = MappingProxyType(
+        {
             "reserve": Runner.CapacityReserved,
             "release": Runner.CapacityReleased,
             "token": FencingTokenUse.Used,
-        }[pending.kind]
-        return isinstance(event, wanted)
+        }
+    )
+
+    def _completes(self, pending: Pending, event: Any) -> bool:
+        return isinstance(event, self.COMPLETING[pending.kind])
 
     def _unknown(self, event: Any) -> None:
         """An event of a class the fold neither checks nor ignores (an event added to an

@@ -54,10 +54,9 @@ class SandboxChecks(FoldState):
         """The home decision's own evidence is consistent: the chosen runner is the
         home runner, listed as compatible, and ranks first among the compatible runners
         listed (unlisted runners are only counted: docs/events.md 7.3)."""
-        if decision.get("chosen_runner_id") != home:
-            self._violate(
-                "invariant-4", f"home decision chose {decision.get('chosen_runner_id')!r}"
-            )
+        chosen = decision.get("chosen_runner_id")
+        if chosen != home:
+            self._violate("invariant-4", f"home decision chose {chosen!r}")
         ranks = {
             c["runner_id"]: c.get("rank")
             for c in decision.get("candidates", ())
@@ -66,7 +65,9 @@ class SandboxChecks(FoldState):
         if home not in ranks:
             self._violate("invariant-4", f"home runner {home!r} is not listed as compatible")
             return
-
+        if len(ranks) == 1:  # the home runner alone: its rank read as min would read it
+            rank_key_from_record(home, ranks[home])
+            return
         best = min(ranks, key=lambda runner_id: rank_key_from_record(runner_id, ranks[runner_id]))
         if ranks[home] is not None and best != home:
             self._violate("invariant-4", f"listed runner {best!r} ranks above home {home!r}")

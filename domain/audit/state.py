@@ -274,11 +274,11 @@ class FoldState:
         return stream if stream is not None else NO_STREAM
 
     def _enter(self, stream_id: UUID) -> Stream:
-        """The current event's stream entry, created for an aggregate's first event."""
-        stream = self._streams.get(stream_id)
+        """The current event's stream entry (``stream_id`` its originator id, whose entry
+        ``AuditFold.apply`` looked up), created for an aggregate's first event."""
+        stream = self._stream
         if stream is None:
-            stream = self._streams[stream_id] = Stream()
-        self._stream = stream
+            stream = self._stream = self._streams[stream_id] = Stream()
         return stream
 
     def _owe(self, runner_id: str, capacity: dict[str, int], sign: int) -> None:

@@ -81,7 +81,15 @@ def rank_record(key: RankKey) -> RankRecord:
 def rank_key_from_record(runner_id: str, rank: RankRecord | None) -> tuple[int | str, ...]:
     """The ranking key a candidate record states (missing amounts count as 0)."""
     stated: RankRecord = rank or {}
-    return (*(-int(stated.get(name, 0)) for name in RANK_FIELDS), runner_id)
+    # the four of RANK_FIELDS, in its order (no generator: the audit ranks every home
+    # decision's candidates)
+    return (
+        -int(stated.get("artifact_locality", 0)),
+        -int(stated.get("free_instances", 0)),
+        -int(stated.get("free_vcpu_count", 0)),
+        -int(stated.get("free_memory_bytes", 0)),
+        runner_id,
+    )
 
 
 class RuleFailureRecord(TypedDict):

@@ -10,10 +10,11 @@ A verify does two kinds of work over the log, and neither needs the other's resu
   against the stored link it names), the Merkle tree refolded from the stored rows, and
   the snapshot check (each snapshotted stream refolded from its own events).
 
-:func:`parallel_fold` runs the fold in this process and the chain and Merkle tree in a
-child process (``workers`` 2: the snapshot check beside the fold, on the events it
-decodes anyway), or the snapshot check in a second child (``workers`` 3, which decodes
-the events of the snapshotted streams again: more CPU in all, less in this process).
+:func:`parallel_fold` runs the fold in this process and the row checks in a child
+process (``workers`` 2: the chain, the Merkle tree and the snapshot check, which decodes
+the events of the snapshotted streams again), or the snapshot check in a second child
+(``workers`` 3). The fold is the larger part (decoding every event, checking every
+placement): its process does nothing else.
 Each child has its own connection to the store and reads the same range of the log
 (positions up to the head when the verify started, or up to ``--until``). The results
 are put together as the serial verify (:func:`.verify._checked_fold`) puts them, so the
@@ -94,7 +95,6 @@ class FoldResult:
     violations: list[Violation]
     read: int
     last: int
-    snapshots: RowResult | None = None  # the snapshot check, when it ran beside the fold
 
 
 @dataclass
@@ -119,13 +119,10 @@ def fold_part(
     read_until: int | None,
     stop: int | None,
     progress: Callable[[int], None],
-    snapshots: bool = False,
 ) -> FoldResult:
     """The fold over positions up to ``read_until`` (the serial loop without the row
-    checks), the end of the log judged as the serial verify judges it at ``stop``;
-    with ``snapshots``, the snapshot check too (on the events decoded for the fold)."""
+    checks), the end of the log judged as the serial verify judges it at ``stop``."""
     recorder = app.recorder
-    check = SnapshotCheck(app) if snapshots else None
     audit = AuditFold(compact=True)
     audit.auditor_clock = app.now()  # no event is recorded later (rule time-order)
     decode = EventDecoder(app.mapper)
@@ -141,8 +138,6 @@ def fold_part(
             read_ahead=True,
         )
         for page in pages:
-            if check is not None:
-                check.page(last, page[-1].id)
             for notification in page:
                 position = notification.id
                 event: Any = None
@@ -155,8 +150,6 @@ def fold_part(
                         audit.apply(position, event)
                     except Exception as error:
                         violations.append(unfoldable(notification, event, error))
-                    if check is not None:
-                        check.apply(event)
                 read += 1
                 if read % PAGE == 0:
                     progress(PAGE)
@@ -167,14 +160,7 @@ def fold_part(
         except Exception as error:  # pragma: no cover - a tampered history
             violations.append(Violation(last, "-", "-", "unfoldable", str(error)))
     violations.extend(outside_log(recorder, read, last))
-    folded = FoldResult(audit, violations, read, last)
-    if check is not None:
-        check.finish(stop, _chain_end(recorder, last, stop))
-        folded.snapshots = RowResult(
-            snapshots=True, last=last, snapshot_violations=check.violations,
-            snapshots_checked=check.checked,
-        )  # fmt: skip
-    return folded
+    return FoldResult(audit, violations, read, last)
 
 
 def _chain_end(recorder: object, last: int, stop: int | None) -> int:
@@ -299,8 +285,8 @@ def parallel_fold(
     head = app.recorder.max_notification_id() or 0
     read_until = head if stop is None else min(stop, head)
     env = dict(app.env)
-    # 2: the snapshot check beside the fold, on the events it decodes
-    parts = [(True, False)] if workers <= 2 else [(True, False), (False, True)]
+    # 2: the snapshot check beside the chain, on the events of its streams it decodes
+    parts = [(True, True)] if workers <= 2 else [(True, False), (False, True)]
     context = multiprocessing.get_context("fork")
     children = []
     for chain, snapshots in parts:
@@ -311,7 +297,7 @@ def parallel_fold(
         sender.close()
         children.append((process, receiver, arguments))
     try:
-        folded = fold_part(app, read_until, stop, progress, snapshots=len(parts) == 1)
+        folded = fold_part(app, read_until, stop, progress)
     except BaseException:  # the fold's error (or an interrupt) is the verify's: no wait
         for process, receiver, _ in children:
             process.terminate()
@@ -319,9 +305,7 @@ def parallel_fold(
             receiver.close()
         raise
     results = [_result(app, *child) for child in children]
-    if folded.snapshots is not None:
-        return folded, results[0], folded.snapshots
-    return folded, results[0], results[1]
+    return folded, results[0], results[-1]
 
 
 def _result(

@@ -293,7 +293,9 @@ def replay_table(report: dict[str, Any]) -> Table | None:
     if whatif:
         table.caption = (
             f"audit whatif: {_ratio(whatif['ratio_to_audit_verify'])} x the audit verify rate; "
-            f"{whatif['reproduced']:,} of {whatif['decisions']:,} decisions reproduced"
+            f"{whatif['reproduced']:,} of {whatif['decisions']:,} decisions reproduced (the "
+            "bench homes its sandboxes over one candidate each, fleet.py: a replay over the "
+            "whole pool homes them elsewhere; only its rate is measured here)"
         )
         table.caption_justify = "left"
     return table
