@@ -39,12 +39,11 @@ from secondbox_scheduler.domain.command_inputs import (
 from secondbox_scheduler.domain.errors import (
     AlreadyExistsError,
     InvalidRequestError,
-    PlacementError,
     RunnerNotFoundError,
     SchedulerError,
     SerializationContentionError,
 )
-from secondbox_scheduler.domain.ids import runner_uuid, sandbox_uuid
+from secondbox_scheduler.domain.ids import runner_uuid
 from secondbox_scheduler.domain.lease import RunnerLease
 from secondbox_scheduler.domain.limits import (
     MAX_CLAIM_DURATION,
@@ -52,7 +51,7 @@ from secondbox_scheduler.domain.limits import (
     MAX_PROOF_VALUE_LENGTH,
 )
 from secondbox_scheduler.domain.reconcile import ReconcileDecision
-from secondbox_scheduler.domain.refusals import OPERATION_CREATE, Refusal, RefusalLog
+from secondbox_scheduler.domain.refusals import Refusal, RefusalLog
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.domain.values import (
@@ -66,7 +65,10 @@ from secondbox_scheduler.domain.values import (
     require_string_map,
     require_text,
 )
+from secondbox_scheduler.infrastructure.acting import current_actor
 from secondbox_scheduler.infrastructure.counters import SchedulerMetrics
+from secondbox_scheduler.infrastructure.creating.batch import CreateBatch, Created, CreateRequest
+from secondbox_scheduler.infrastructure.creating.batcher import create_batcher_from_settings
 from secondbox_scheduler.infrastructure.metrics import (
     OUTCOME_ERROR,
     OUTCOME_OK,
@@ -166,6 +168,7 @@ class SchedulerApplication(StoredApplication, QueryMethods):
                 self.recorder if strtobool(self.env.get(RUNNER_LOCKS) or "on") else None
             )
             self.batcher = batcher_from_settings(self.env, self._place_deferring)
+            self.creations = create_batcher_from_settings(self.env, self._create)
             if metrics_registry is not None:
                 self.attach_metrics(metrics_registry)
 
@@ -350,6 +353,8 @@ class SchedulerApplication(StoredApplication, QueryMethods):
         """Choose and record the sandbox's home runner; returns its id.
 
         Repeating the call with the same arguments returns the recorded home runner.
+        Concurrent calls of one process are decided at one catch-up of the read models
+        and committed together (:mod:`.creating`), unless batching is off.
         """
         require_text("sandbox_id", sandbox_id)
         require_text("workspace_id", workspace_id)
@@ -357,46 +362,19 @@ class SchedulerApplication(StoredApplication, QueryMethods):
         wanted = as_requirements(requirements)
         require_timeout(heartbeat_timeout)
 
-        existing = self.load(sandbox_uuid(sandbox_id), Sandbox)
-        if existing is None:
-            now = self.now()
-            try:
-                runners, unlisted = self.queries.home_candidates(wanted, now, heartbeat_timeout)
-                sandbox = Sandbox.create(
-                    sandbox_id=sandbox_id,
-                    workspace_id=workspace_id,
-                    profile_revision_id=profile_revision_id,
-                    requirements=wanted,
-                    runners=runners,
-                    now=now,
-                    heartbeat_timeout=heartbeat_timeout,
-                    unlisted=unlisted,
-                )
-            except PlacementError as error:
-                self.record_refusals(
-                    [
-                        Refusal(
-                            sandbox_id, OPERATION_CREATE, 0, error, now, heartbeat_timeout, wanted
-                        )
-                    ]
-                )  # best effort: never changes the refusal
-                raise
-            try:
-                self.save(sandbox)
-                return sandbox.home_runner_id
-            except IntegrityError:
-                existing = self.load(sandbox_uuid(sandbox_id), Sandbox)
-                if existing is None:  # a write timeout, not a rival's creation
-                    raise SerializationContentionError(1, f"sandbox {sandbox_id!r}") from None
-        if (
-            existing.workspace_id != workspace_id
-            or existing.profile_revision_id != profile_revision_id
-            or existing.requirements != wanted.to_record()
-        ):
-            raise AlreadyExistsError(
-                f"sandbox {sandbox_id!r} already exists with another workspace or profile revision"
-            )
-        return existing.home_runner_id
+        request = CreateRequest(
+            sandbox_id, workspace_id, profile_revision_id, wanted, heartbeat_timeout,
+            current_actor(),
+        )  # fmt: skip
+        if self.creations is not None:
+            return self.creations.create(request)
+        outcome = self._create([request])[0]
+        if isinstance(outcome, SchedulerError):
+            raise outcome
+        return outcome
+
+    def _create(self, requests: Sequence[CreateRequest]) -> list[Created]:
+        return CreateBatch(self).run(requests)
 
     @measured("schedule")
     def schedule(self, request: ScheduleRequest) -> tuple[DurableAssignment, bool]:

@@ -31,6 +31,8 @@ from secondbox_scheduler.projections.read_models import ReadModels
 from secondbox_scheduler.projections.runner_index import RunnerIndex
 from secondbox_scheduler.projections.unmatched import unmatched_candidates
 
+RUNNER_SNAPSHOTS = "runner_snapshots"  # the view a home decision reads
+
 
 class SchedulerQueries:
     """The read side of one application: aggregates loaded or read models caught up."""
@@ -70,7 +72,12 @@ class SchedulerQueries:
         return sandbox
 
     def home_candidates(
-        self, requirements: Requirements, now: datetime, heartbeat_timeout: timedelta
+        self,
+        requirements: Requirements,
+        now: datetime,
+        heartbeat_timeout: timedelta,
+        *,
+        catch_up: bool = True,
     ) -> tuple[list[RunnerSnapshot], Unlisted]:
         """The runners to evaluate for a home decision, and counts of the pool's others:
         with the read model, the pool's prefiltered candidates a page at a time
@@ -80,8 +87,9 @@ class SchedulerQueries:
         without reading the pool (:mod:`secondbox_scheduler.projections.unmatched`).
         The runner the rules choose among the read model's candidates is checked
         against its aggregates first (:mod:`.home_check`): the home recorded is always
-        true by the aggregates."""
-        read_models = self.current_read_models()
+        true by the aggregates. ``catch_up=False``: the caller caught the read models up
+        for this decision already (a creation batch, once for all its creations)."""
+        read_models = self.current_read_models() if catch_up else self.read_models
         if read_models is None:
             return self.fold_runner_snapshots(requirements.pool_name), Unlisted()
         unmatched = unmatched_candidates(read_models.runners, requirements, now, heartbeat_timeout)
@@ -178,6 +186,14 @@ class SchedulerQueries:
         """The read models, caught up first unless another process maintains them."""
         if self.read_models is not None and self.catch_up_inline:
             self.read_models.catch_up()
+        return self.read_models
+
+    def runner_snapshots_now(self) -> ReadModels | None:
+        """The read models, the runner snapshots caught up first (what a home decision
+        reads) unless another process maintains them; the other views catch up at
+        their own next query."""
+        if self.read_models is not None and self.catch_up_inline:
+            self.read_models.catch_up(views=(RUNNER_SNAPSHOTS,))
         return self.read_models
 
     def wait_for(self, position: int, timeout: float = 5.0) -> None:

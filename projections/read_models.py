@@ -24,7 +24,7 @@ import inspect
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -178,6 +178,7 @@ class ReadModels:
         self._decode = EventDecoder(app.mapper)  # learns each topic once, for every catch-up
         self._lock = threading.Lock()
         self._positions_ensured = writes
+        self._end = 0  # the end of the catch-up under way (held by ``self._lock``)
 
     @property
     def runners(self) -> RunnerSnapshotsView:
@@ -195,7 +196,11 @@ class ReadModels:
         return self.views[name].max_tracking_id(self.app.name) or 0
 
     def _pages(
-        self, after: int, end: int, page_size: int = PAGE
+        self,
+        after: int,
+        end: int,
+        page_size: int = PAGE,
+        names: Collection[str] | None = None,
     ) -> Iterator[tuple[list[tuple[int, str, Any]], int]]:
         """Pages of the notifications in (``after``, ``end``] that some projection does
         not ignore, as (position, topic, domain event), each with the position it reaches:
@@ -203,17 +208,24 @@ class ReadModels:
         topics in between are covered too). The event is decoded when some projection
         handles its topic, else it is None (an unknown topic, which may not resolve). The
         last page may be empty: it moves the positions to ``end``. Read in chunks of at
-        most ``READ_CHUNK``, the next one read ahead while this one is decoded."""
+        most ``READ_CHUNK``, the next one read ahead while this one is decoded.
+        ``names``: of these projections only (the topics all of them ignore not read,
+        those one of them handles decoded)."""
         if after >= end:
             return
-        decode, decoded = self._decode, self._decoded
+        decode, decoded, skipped = self._decode, self._decoded, self.skipped
+        if names is not None and set(names) != set(self.views):
+            decoded = frozenset().union(*(self._topics_of[name] for name in names))
+            skipped = tuple(
+                sorted(frozenset.intersection(*(self._ignored_of[name] for name in names)))
+            )
         events: list[tuple[int, str, Any]] = []
         size = min(page_size, READ_CHUNK)
         for chunk in read_pages(
             self.app.recorder,
             after=after,
             until=end,
-            excluding=self.skipped,
+            excluding=skipped,
             page_size=size,
             first_page_size=min(size, PAGE),
             read_ahead=True,
@@ -231,9 +243,12 @@ class ReadModels:
         page_size: int = PAGE,
         *,
         asynchronous_commit: bool = False,
+        views: Collection[str] | None = None,
     ) -> int:
         """Apply every notification after each view's position, up to ``until`` (or the
-        log's head when the catch-up starts), and move each position there.
+        log's head when the catch-up starts), and move each position there. ``views``:
+        only these (by name), as a home decision needs the runner snapshots alone; the
+        others catch up at the next catch-up of theirs.
 
         One pass over the log: each page of handled notifications is read and decoded
         once, then applied to each view that has not seen it, in one transaction per view
@@ -250,9 +265,10 @@ class ReadModels:
                 self._positions_ensured = True
             while True:
                 try:
-                    return self._catch_up(until, progress, page_size, asynchronous_commit)
-                except IntegrityError:
-                    continue  # another replica applied a page first: read the new positions
+                    return self._catch_up(until, progress, page_size, asynchronous_commit, views)
+                except IntegrityError:  # another replica applied a page first: read the new
+                    until = self._end  # positions, and go on to the same end (the head
+                    continue  # when this catch-up started), not to a head that moved since
 
     def _catch_up(
         self,
@@ -260,17 +276,20 @@ class ReadModels:
         progress: Callable[[int], None],
         page_size: int,
         asynchronous_commit: bool,
+        views: Collection[str] | None = None,
     ) -> int:
-        positions = {name: self.position(name) for name in self.views}
+        names = list(self.views) if views is None else [n for n in self.views if n in views]
+        positions = {name: self.position(name) for name in names}
         head = self.app.recorder.max_notification_id() or 0  # read after the positions
         for name, position in positions.items():
             if position > head:  # never skipped silently: it would stop the read model
                 raise ReadModelAheadError(name, position, head)
         end = head if until is None else min(until, head)
+        self._end = end  # a lost race goes on to it (:meth:`catch_up`)
         after = min(positions.values())
         read = 0
-        for events, reached in self._pages(after, end, page_size):
-            behind = [name for name in self.views if positions[name] < reached]
+        for events, reached in self._pages(after, end, page_size, names):
+            behind = [name for name in names if positions[name] < reached]
             nets = {name: self.views[name].net() for name in behind}
             unknown = {name: Counter[str]() for name in behind}
             route = partial(

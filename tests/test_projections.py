@@ -9,7 +9,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -263,8 +263,10 @@ def test_concurrent_batched_catch_ups_apply_each_event_once(store: Store, clock:
     ahead, behind = read_models_of(first), read_models_of(second)
     original = behind._pages
 
-    def interleaved(after: int, end: int, page_size: int = 1000) -> Iterator[Any]:
-        for page in original(after, end, page_size):
+    def interleaved(
+        after: int, end: int, page_size: int = 1000, names: Collection[str] | None = None
+    ) -> Iterator[Any]:
+        for page in original(after, end, page_size, names):
             ahead.catch_up(until=(after + head) // 2)  # overtakes part of this page
             yield page
 
@@ -273,6 +275,65 @@ def test_concurrent_batched_catch_ups_apply_each_event_once(store: Store, clock:
     behind._pages = original  # type: ignore[method-assign]
     assert {behind.position(name) for name in behind.views} == {head}
     assert projected(first) == folded(writer)
+
+
+def test_a_catch_up_that_lost_a_race_stops_at_the_head_it_started_at(
+    store: Store, clock: Clock
+) -> None:
+    """A replica that loses a page to another goes on to the head its catch-up started
+    at: the events written meanwhile are the next catch-up's (chasing the moving head,
+    replicas writing all the while raced again and again)."""
+    writer = SchedulerApplication(env={**store.env, "SECONDBOX_READ_MODELS": "off"}, now=clock)
+    store.opened.append(writer)
+    run_history(writer, clock, [("create", 0, b) for b in range(4)])
+    head = writer.head_position()
+    external = {**store.env, "SECONDBOX_READ_MODELS": "external"}
+    first, second = SchedulerApplication(env=external), SchedulerApplication(env=external)
+    store.opened += [first, second]
+    ahead, behind = read_models_of(first), read_models_of(second)
+    original = behind._pages
+    raced: list[int] = []
+
+    def interleaved(
+        after: int, end: int, page_size: int = 1000, names: Collection[str] | None = None
+    ) -> Iterator[Any]:
+        if not raced:  # once: a rival applies this page, then more events arrive
+            raced.append(end)
+            ahead.catch_up()
+            run_history(writer, clock, [("schedule", 0, b) for b in range(4)])
+        yield from original(after, end, page_size, names)
+
+    behind._pages = interleaved  # type: ignore[method-assign]
+    behind.catch_up()
+    behind._pages = original  # type: ignore[method-assign]
+    assert raced == [head]
+    assert writer.head_position() > head
+    assert {behind.position(name) for name in behind.views} == {head}
+    behind.catch_up()
+    assert {behind.position(name) for name in behind.views} == {writer.head_position()}
+    assert projected(second) == folded(writer)
+
+
+def test_a_catch_up_of_one_view_leaves_the_others_for_their_own(store: Store, clock: Clock) -> None:
+    """A home decision catches up the runner snapshots alone; the assignments view
+    applies the same events at its own next catch-up, each once."""
+    writer = SchedulerApplication(env={**store.env, "SECONDBOX_READ_MODELS": "off"}, now=clock)
+    store.opened.append(writer)
+    run_history(
+        writer, clock, [("create", 0, b) for b in range(3)] + [("schedule", 0, b) for b in range(3)]
+    )
+    head = writer.head_position()
+    reader = SchedulerApplication(env={**store.env, "SECONDBOX_READ_MODELS": "external"})
+    store.opened.append(reader)
+    read_models = read_models_of(reader)
+    read_models.catch_up(views=("runner_snapshots",))
+    assert read_models.position("runner_snapshots") == head
+    assert read_models.position("assignments") == 0
+    assert read_models.assignments.by_sandbox(HISTORY_SANDBOXES[0]) == []
+    read_models.catch_up()
+    assert {read_models.position(name) for name in read_models.views} == {head}
+    assert read_models.assignments.by_sandbox(HISTORY_SANDBOXES[0])
+    assert projected(reader) == folded(writer)
 
 
 # -- row changes folded per batch, pages of handled topics ------------------------------

@@ -1,0 +1,2 @@
+"""``create_sandbox``: concurrent creations of one process decided and committed
+together (:mod:`.batcher`, :mod:`.batch`)."""
