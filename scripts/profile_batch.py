@@ -39,7 +39,7 @@ from secondbox_scheduler.infrastructure.tools.bench.fleet import (
     roomy_fleet,
     schedule_request,
 )
-from secondbox_scheduler.infrastructure.tools.bench.workers import machine_cpu_seconds
+from secondbox_scheduler.infrastructure.tools.bench.process_cpu import machine_cpu_seconds
 
 
 def main() -> None:

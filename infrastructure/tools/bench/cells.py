@@ -45,12 +45,12 @@ from secondbox_scheduler.infrastructure.tools.bench.fleet import (
     roomy_fleet,
     schedule_request,
 )
+from secondbox_scheduler.infrastructure.tools.bench.process_cpu import machine_cpu_seconds
 from secondbox_scheduler.infrastructure.tools.bench.settings import BenchSettings, Progress
 from secondbox_scheduler.infrastructure.tools.bench.workers import (
     BARRIER_TIMEOUT,
     WorkerPool,
     WorkerResult,
-    machine_cpu_seconds,
     summarize,
 )
 

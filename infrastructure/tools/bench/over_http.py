@@ -64,6 +64,8 @@ from secondbox_scheduler.infrastructure.tools.bench.http_client import KeepAlive
 from secondbox_scheduler.infrastructure.tools.bench.ledger import acknowledged_homes, check_ledger
 from secondbox_scheduler.infrastructure.tools.bench.process_cpu import (
     database_backends,
+    database_name,
+    machine_cpu_seconds,
     processes_cpu,
     used_since,
 )
@@ -75,8 +77,6 @@ from secondbox_scheduler.infrastructure.tools.bench.workers import (
     WorkerPool,
     WorkerResult,
     _cpu_window,
-    database_name,
-    machine_cpu_seconds,
     summarize,
 )
 

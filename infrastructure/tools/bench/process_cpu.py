@@ -14,6 +14,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 
+from secondbox_scheduler.infrastructure.settings import (
+    DATABASE_URL,
+    POSTGRES_MODULE,
+    settings_from_url,
+)
+
 PROC = "/proc"
 
 
@@ -75,3 +81,24 @@ def database_backends(dbname: str) -> dict[int, float]:
 def used_since(before: Mapping[int, float], after: Mapping[int, float]) -> float:
     """CPU seconds used between two readings (a process new since ``before``: all of it)."""
     return sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
+
+
+def machine_cpu_seconds() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat (Linux);
+    (0, 0) elsewhere. Busy includes the database server and every worker."""
+    try:
+        with open("/proc/stat") as stat:
+            ticks = [int(value) for value in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    hz = os.sysconf("SC_CLK_TCK")
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+    return (sum(ticks) - idle) / hz, sum(ticks) / hz
+
+
+def database_name(env: dict[str, str]) -> str | None:
+    """The PostgreSQL database of the run (None on SQLite)."""
+    found = settings_from_url(env[DATABASE_URL])
+    if found.get("PERSISTENCE_MODULE") != POSTGRES_MODULE:
+        return None
+    return found.get("POSTGRES_DBNAME") or None

@@ -44,11 +44,7 @@ from secondbox_scheduler.domain.errors import (
 )
 from secondbox_scheduler.domain.ids import lease_uuid, runner_uuid
 from secondbox_scheduler.infrastructure.gc_tuning import tune_gc
-from secondbox_scheduler.infrastructure.settings import (
-    DATABASE_URL,
-    POSTGRES_MODULE,
-    settings_from_url,
-)
+from secondbox_scheduler.infrastructure.settings import DATABASE_URL, settings_from_url
 from secondbox_scheduler.infrastructure.tools.bench.errors import BenchError, BenchWorkerError
 from secondbox_scheduler.infrastructure.tools.bench.fleet import (
     REQUESTED,
@@ -57,6 +53,8 @@ from secondbox_scheduler.infrastructure.tools.bench.fleet import (
 )
 from secondbox_scheduler.infrastructure.tools.bench.process_cpu import (
     database_backends,
+    database_name,
+    machine_cpu_seconds,
     used_since,
 )
 from secondbox_scheduler.infrastructure.tools.bench.timing import percentile
@@ -171,19 +169,6 @@ class WorkerResult:
     database_cpu_seconds: float | None = None
     # schedule runs in process: this worker process's own CPU (all its threads) in its run
     own_cpu_seconds: float | None = None
-
-
-def machine_cpu_seconds() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat (Linux);
-    (0, 0) elsewhere. Busy includes the database server and every worker."""
-    try:
-        with open("/proc/stat") as stat:
-            ticks = [int(value) for value in stat.readline().split()[1:]]
-    except (OSError, ValueError):
-        return 0.0, 0.0
-    hz = os.sysconf("SC_CLK_TCK")
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
-    return (sum(ticks) - idle) / hz, sum(ticks) / hz
 
 
 def _cpu_window(index: int, before: tuple[float, float]) -> tuple[float, float]:
@@ -368,14 +353,6 @@ def _run_schedule(
         database_cpu_seconds=database_cpu,
         own_cpu_seconds=own_cpu,
     )
-
-
-def database_name(env: dict[str, str]) -> str | None:
-    """The PostgreSQL database of the run (None on SQLite)."""
-    found = settings_from_url(env[DATABASE_URL])
-    if found.get("PERSISTENCE_MODULE") != POSTGRES_MODULE:
-        return None
-    return found.get("POSTGRES_DBNAME") or None
 
 
 def _arrivals(per_second: float, count: int, seed: int) -> list[float]:
