@@ -13,6 +13,7 @@ within the clock tolerance (``clock``).
 
 from __future__ import annotations
 
+import marshal
 from datetime import timedelta
 from sys import intern
 from typing import Any
@@ -21,10 +22,12 @@ from secondbox_scheduler.domain.assignment import STATE_RELEASED, STATE_RUNNING,
 from secondbox_scheduler.domain.audit.evidence import plain_evidence
 from secondbox_scheduler.domain.audit.state import (
     LEASE_WINDOW,
+    REQUIREMENTS_KEPT,
     FoldState,
     Pending,
     RunnerState,
     SandboxState,
+    TokenDigests,
 )
 from secondbox_scheduler.domain.fencing_tokens import token_sha256
 from secondbox_scheduler.domain.placement.evidence import rank_key_from_record
@@ -91,11 +94,12 @@ class SandboxChecks(FoldState):
                 "invariant-3",
                 f"assignment for generation {generation} while current is {sandbox.generation}",
             )
-        if record["fencing_token"] in sandbox.tokens:
+        token = TokenDigests.digest(record["fencing_token"])
+        if sandbox.tokens.holds(token):
             self._violate("invariant-3", f"fencing token reused in generation {generation}")
         self._check_placement(sandbox, record, dict(event.placement))
         sandbox.assignments[generation] = record
-        sandbox.tokens.add(record["fencing_token"])
+        sandbox.tokens.add_digest(token)
         self._owe(record["runner_id"], record["capacity"], +1)
         indexed = getattr(event, "token_indexed", False)
         self.pending = Pending(
@@ -130,7 +134,7 @@ class SandboxChecks(FoldState):
             )
         requirements = sandbox.pinned
         if requirements is None:
-            requirements = sandbox.pinned = Requirements.from_record(sandbox.requirements)
+            requirements = sandbox.pinned = self._pinned(sandbox.requirements)
         runner = self._of(self.runner_streams.get(runner_id)).runner
         lease = self._of(self.lease_of.get(runner_id)).lease
         version = placement.get("lease_version", 0)
@@ -199,6 +203,26 @@ class SandboxChecks(FoldState):
                 "invariant-4",
                 f"heartbeat evidence differs from the lease at version {version}",
             )
+
+    def _pinned(self, record: dict[str, Any]) -> Requirements:
+        """``Requirements.from_record(record)``, validated once for records of the very
+        same values: ``marshal`` writes only the builtin types, each in its own exact
+        form (an int, a float and a bool apart, a list and a tuple apart, no subclass),
+        so records that write the same bytes are the same values and validate to the
+        same requirements (frozen: shared between sandboxes). A record marshal cannot
+        write (a datetime, a UUID: validation refuses them) is validated alone."""
+        try:
+            key = marshal.dumps(record, 2)
+        except ValueError:
+            return Requirements.from_record(record)
+        seen = self._requirements_seen
+        requirements = seen.get(key)
+        if requirements is None:
+            requirements = Requirements.from_record(record)
+            if len(seen) >= REQUIREMENTS_KEPT:
+                seen.clear()
+            seen[key] = requirements
+        return requirements
 
     def _compare_evidence(self, runner: RunnerState, evidence: RunnerSnapshot) -> None:
         """The recorded runner evidence against the runner as the log had it."""

@@ -33,6 +33,7 @@ SNAPSHOTS_CACHED = 4  # lease versions whose materializations are kept as value 
 LEASE_VERSIONS_KEPT = 8
 LEASE_WINDOW = 3 * MAX_CLOCK_TOLERANCE
 TOKEN_DIGEST = 16  # bytes of a fencing token's SHA-256 kept per generation
+REQUIREMENTS_KEPT = 1024  # distinct requirement records whose validation the fold keeps
 
 
 @dataclass(frozen=True)
@@ -148,14 +149,21 @@ class TokenDigests:
         return hashlib.sha256(token.encode()).digest()[:TOKEN_DIGEST]
 
     def __contains__(self, token: str) -> bool:
-        digests, wanted = self._digests, self.digest(token)
+        return self.holds(self.digest(token))
+
+    def holds(self, wanted: bytes) -> bool:
+        """Whether a token of this digest (:meth:`digest`) was used."""
+        digests = self._digests
         at = digests.find(wanted)
         while at >= 0 and at % TOKEN_DIGEST:  # only whole digests count
             at = digests.find(wanted, at + 1)
         return at >= 0
 
     def add(self, token: str) -> None:
-        self._digests += self.digest(token)
+        self.add_digest(self.digest(token))
+
+    def add_digest(self, digest: bytes) -> None:
+        self._digests += digest
 
     def __len__(self) -> int:
         return len(self._digests) // TOKEN_DIGEST
@@ -245,6 +253,8 @@ class FoldState:
         self.pending: Pending | None = None
         self.compact = False  # see AuditFold
         self._capacities: dict[tuple[Any, ...], dict[str, int]] = {}  # compact records'
+        # requirement records validated, by their marshal bytes (SandboxChecks._pinned)
+        self._requirements_seen: dict[bytes, Requirements] = {}
         self.position = 0
         self.events = 0
 
