@@ -31,7 +31,7 @@ from secondbox_scheduler.domain.audit.state import (
 )
 from secondbox_scheduler.domain.fencing_tokens import token_sha256
 from secondbox_scheduler.domain.placement.evidence import rank_key_from_record
-from secondbox_scheduler.domain.placement.rules import evaluate_runner
+from secondbox_scheduler.domain.placement.rules import evaluate_runner, passes_every_rule
 from secondbox_scheduler.domain.values import Requirements, RunnerSnapshot
 
 
@@ -155,13 +155,20 @@ class SandboxChecks(FoldState):
                 f"{clock.isoformat()}",
             )
         timeout = timedelta(seconds=placement["heartbeat_timeout_seconds"])
-        evaluation = evaluate_runner(
-            requirements, evidence, decided_at, timeout,
-            rules_version=placement.get("rules_version", 1),
-        )  # fmt: skip
-        if not evaluation.compatible:
-            reasons = ", ".join(f.detail for f in evaluation.failures)
-            self._violate("invariant-4", f"runner {runner_id!r} was not compatible: {reasons}")
+        rules_version = placement.get("rules_version", 1)
+        # every rule passed (what a sound placement shows) settles it in one go; else
+        # every rule is evaluated, each failure named
+        if not passes_every_rule(
+            requirements, evidence, decided_at, timeout, rules_version=rules_version
+        ):
+            evaluation = evaluate_runner(
+                requirements, evidence, decided_at, timeout, rules_version=rules_version
+            )
+            if not evaluation.compatible:
+                reasons = ", ".join(f.detail for f in evaluation.failures)
+                self._violate(
+                    "invariant-4", f"runner {runner_id!r} was not compatible: {reasons}"
+                )
         if record["capacity"] != requirements.capacity.as_dict():
             self._violate("invariant-4", "reserved capacity differs from the pinned requirements")
         if runner is None:

@@ -237,24 +237,29 @@ _CHECK_OF: dict[str, Check] = {
 CHECKS: tuple[tuple[str, Check], ...] = tuple((code, _CHECK_OF[code]) for code in REASON_CODES)
 
 
+def _stale_before(now: datetime, heartbeat_timeout: timedelta) -> datetime:
+    """The time before which a heartbeat is stale (refusing a naive ``now`` and a
+    timeout that is not a timedelta or reaches before the first representable time)."""
+    now = require_aware("now", now)
+    if not isinstance(heartbeat_timeout, timedelta):
+        raise InvalidRequestError("heartbeat_timeout", "must be a timedelta", heartbeat_timeout)
+    try:
+        return now - heartbeat_timeout
+    except OverflowError:
+        raise InvalidRequestError(
+            "heartbeat_timeout", "reaches before the first representable time"
+        ) from None
+
+
 def _context(
     requirements: Requirements,
     now: datetime,
     heartbeat_timeout: timedelta,
     rules_version: int = RULES_VERSION,
 ) -> _Context:
-    now = require_aware("now", now)
-    if not isinstance(heartbeat_timeout, timedelta):
-        raise InvalidRequestError("heartbeat_timeout", "must be a timedelta", heartbeat_timeout)
-    try:
-        stale_before = now - heartbeat_timeout
-    except OverflowError:
-        raise InvalidRequestError(
-            "heartbeat_timeout", "reaches before the first representable time"
-        ) from None
     return _Context(
         requirements=requirements,
-        stale_before=stale_before,
+        stale_before=_stale_before(now, heartbeat_timeout),
         preferred=frozenset(requirements.preferred_artifact_digests),
         rules_version=rules_version,
     )
@@ -274,6 +279,73 @@ def evaluate_runner(
     release 0.1's, where ``client-selected-image`` skipped the whole materialization
     rule, the preferred digests' count included."""
     return _evaluate(_context(requirements, now, heartbeat_timeout, rules_version), runner)
+
+
+def passes_every_rule(
+    requirements: Requirements,
+    runner: RunnerSnapshot,
+    now: datetime,
+    heartbeat_timeout: timedelta,
+    *,
+    rules_version: int = RULES_VERSION,
+) -> bool:
+    """True only when :func:`evaluate_runner` finds no failure: every rule's condition
+    of passing, as its check states it, tested in one go without building a failure
+    (an audit replay re-checks every placement, and placements pass). False may still
+    be a compatible runner (the cheap test of one rule did not settle it): call
+    :func:`evaluate_runner` then, which names each failure. Raises what
+    :func:`evaluate_runner` raises for ``now`` and ``heartbeat_timeout``.
+    ``tests/test_rules_in_one_go.py`` holds it to :func:`evaluate_runner`."""
+    stale_before = _stale_before(now, heartbeat_timeout)
+    wanted = requirements
+    capabilities = runner.capabilities
+    seen = runner.last_heartbeat_at
+    if not (
+        runner.pool_name == wanted.pool_name  # pool
+        and runner.architecture == wanted.architecture  # architecture
+        and runner.drain_phase == DRAIN_PHASE_ACTIVE  # draining
+        and seen is not None
+        and seen >= stale_before  # heartbeat_stale
+        and runner.backend_kind
+        and CAPABILITY_COMPUTE in capabilities  # backend
+        and 1 <= wanted.guest_protocol_generation  # guest_protocol
+        and runner.guest_protocol_minimum
+        <= wanted.guest_protocol_generation
+        <= runner.guest_protocol_maximum
+        and wanted.required_capabilities <= capabilities  # capability
+        and capabilities.issuperset(PREREQUISITE_CAPABILITIES)  # prerequisite
+        and (wanted.egress_context is None  # egress
+             or wanted.egress_context in runner.supported_egress_contexts)
+    ):  # fmt: skip
+        return False
+    # materialization, in the order its check reads
+    digests = wanted.preferred_artifact_digests
+    client_selected = CAPABILITY_CLIENT_SELECTED_IMAGE in wanted.required_capabilities
+    if not (client_selected and rules_version < 2):
+        if len(digests) != 2:
+            return False
+        if not client_selected:
+            runtime, toolchain = digests
+            backend, architecture = runner.backend_kind, runner.architecture
+            if not any(
+                item.backend_kind == backend
+                and item.architecture == architecture
+                and item.runtime_digest == runtime
+                and item.toolchain_digest == toolchain
+                and item.digest
+                for item in runner.materializations
+            ):
+                return False
+    # capacity: fits on every checked dimension, the reserved total within the limit
+    allocatable, reserved = runner.allocatable, runner.reserved
+    requested = wanted.capacity
+    for dim in checked_dimensions(capabilities):
+        if getattr(requested, dim) > getattr(allocatable, dim) - getattr(reserved, dim):
+            return False
+    return all(
+        getattr(reserved, dim) + getattr(requested, dim) <= MAX_RESERVED_TOTAL
+        for dim in Capacity.DIMENSIONS
+    )
 
 
 def _evaluate(ctx: _Context, runner: RunnerSnapshot) -> RunnerEvaluation:
