@@ -97,7 +97,7 @@ class SandboxChecks(FoldState):
         token = TokenDigests.digest(record["fencing_token"])
         if sandbox.tokens.holds(token):
             self._violate("invariant-3", f"fencing token reused in generation {generation}")
-        self._check_placement(sandbox, record, dict(event.placement))
+        self._check_placement(sandbox, record, event.placement)  # read, never kept
         sandbox.assignments[generation] = record
         sandbox.tokens.add_digest(token)
         self._owe(record["runner_id"], record["capacity"], +1)
@@ -166,9 +166,7 @@ class SandboxChecks(FoldState):
             )
             if not evaluation.compatible:
                 reasons = ", ".join(f.detail for f in evaluation.failures)
-                self._violate(
-                    "invariant-4", f"runner {runner_id!r} was not compatible: {reasons}"
-                )
+                self._violate("invariant-4", f"runner {runner_id!r} was not compatible: {reasons}")
         if record["capacity"] != requirements.capacity.as_dict():
             self._violate("invariant-4", "reserved capacity differs from the pinned requirements")
         if runner is None:

@@ -308,7 +308,7 @@ def passes_every_rule(
         and seen >= stale_before  # heartbeat_stale
         and runner.backend_kind
         and CAPABILITY_COMPUTE in capabilities  # backend
-        and 1 <= wanted.guest_protocol_generation  # guest_protocol
+        and wanted.guest_protocol_generation >= 1  # guest_protocol
         and runner.guest_protocol_minimum
         <= wanted.guest_protocol_generation
         <= runner.guest_protocol_maximum
