@@ -43,12 +43,9 @@ class SandboxChecks(FoldState):
 
     def _sandbox_created(self, event: Any) -> None:
         sandbox = SandboxState(
-            sandbox_id=event.sandbox_id,
-            workspace_id=event.workspace_id,
-            profile_revision_id=event.profile_revision_id,
-            requirements=dict(event.requirements),
-            home_runner_id=event.home_runner_id,
-        )
+            event.sandbox_id, event.workspace_id, event.profile_revision_id,
+            dict(event.requirements), event.home_runner_id,
+        )  # fmt: skip
         self._enter(event.originator_id).sandbox = sandbox
         self.sandbox_streams[event.sandbox_id] = event.originator_id
         self._check_home_decision(event.home_runner_id, event.home_decision)
@@ -60,11 +57,10 @@ class SandboxChecks(FoldState):
         chosen = decision.get("chosen_runner_id")
         if chosen != home:
             self._violate("invariant-4", f"home decision chose {chosen!r}")
-        ranks = {
-            c["runner_id"]: c.get("rank")
-            for c in decision.get("candidates", ())
-            if not c["failures"]
-        }
+        ranks = {}  # of the compatible runners listed (a loop: most list one)
+        for c in decision.get("candidates", ()):
+            if not c["failures"]:
+                ranks[c["runner_id"]] = c.get("rank")
         if home not in ranks:
             self._violate("invariant-4", f"home runner {home!r} is not listed as compatible")
             return

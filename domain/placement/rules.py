@@ -337,14 +337,14 @@ def passes_every_rule(
             ):
                 return False
     # capacity: fits on every checked dimension, the reserved total within the limit
-    allocatable, reserved = runner.allocatable, runner.reserved
-    requested = wanted.capacity
+    # (read as _check_capacity reads them)
+    allocatable, reserved = runner.allocatable.as_dict(), runner.reserved.as_dict()
+    requested = wanted.capacity.as_dict()
     for dim in checked_dimensions(capabilities):
-        if getattr(requested, dim) > getattr(allocatable, dim) - getattr(reserved, dim):
+        if requested[dim] > allocatable[dim] - reserved[dim]:
             return False
-    return all(
-        getattr(reserved, dim) + getattr(requested, dim) <= MAX_RESERVED_TOTAL
-        for dim in Capacity.DIMENSIONS
+    return not any(
+        reserved[dim] + amount > MAX_RESERVED_TOTAL for dim, amount in requested.items()
     )
 
 
