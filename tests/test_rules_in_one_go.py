@@ -123,6 +123,36 @@ def test_it_answers_as_every_rule_on_random_fleets(
         _agree(wanted, runner, NOW, TIMEOUT, rules_version)
 
 
+def test_it_reads_every_dimension_of_a_capacity() -> None:
+    # passes_every_rule spells the dimensions out
+    spelled = ("vcpu_count", "memory_bytes", "disk_bytes", "instances", "operations")
+    assert spelled == Capacity.DIMENSIONS
+
+
+@pytest.mark.parametrize("dim", Capacity.DIMENSIONS)
+@pytest.mark.parametrize("admitted", [False, True])
+def test_one_unit_short_or_past_the_limit_on_any_dimension_does_not_pass(
+    dim: str, admitted: bool
+) -> None:
+    wanted = profile()
+    base = compatible_runner(wanted, now=NOW)
+    if admitted:
+        base = base.model_copy(
+            update={"capabilities": base.capabilities | {PHYSICAL_STORAGE_ADMISSION}}
+        )
+    requested = wanted.capacity.as_dict()[dim]
+    short = {**base.allocatable.as_dict(), dim: requested - 1}
+    full = {**base.reserved.as_dict(), dim: 2**63 - requested}  # at the limit + 1 unit
+    for runner in (
+        base.model_copy(update={"allocatable": Capacity(**short)}),
+        base.model_copy(update={"reserved": Capacity(**full)}),
+    ):
+        _agree(wanted, runner, NOW, TIMEOUT, 2)
+        assert _agree(wanted, runner, NOW, TIMEOUT, 1) is (
+            admitted and dim == "disk_bytes" and runner.allocatable.as_dict() == short
+        )
+
+
 def test_it_refuses_what_evaluate_runner_refuses() -> None:
     wanted = profile()
     runner = compatible_runner(wanted, now=NOW)

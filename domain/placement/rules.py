@@ -327,25 +327,35 @@ def passes_every_rule(
         if not client_selected:
             runtime, toolchain = digests
             backend, architecture = runner.backend_kind, runner.architecture
-            if not any(
-                item.backend_kind == backend
-                and item.architecture == architecture
-                and item.runtime_digest == runtime
-                and item.toolchain_digest == toolchain
-                and item.digest
-                for item in runner.materializations
-            ):
+            for item in runner.materializations:
+                if (
+                    item.backend_kind == backend
+                    and item.architecture == architecture
+                    and item.runtime_digest == runtime
+                    and item.toolchain_digest == toolchain
+                    and item.digest
+                ):
+                    break
+            else:
                 return False
-    # capacity: fits on every checked dimension, the reserved total within the limit
-    # (read as _check_capacity reads them)
-    allocatable, reserved = runner.allocatable.as_dict(), runner.reserved.as_dict()
-    requested = wanted.capacity.as_dict()
-    for dim in checked_dimensions(capabilities):
-        if requested[dim] > allocatable[dim] - reserved[dim]:
-            return False
-    return not any(
-        reserved[dim] + amount > MAX_RESERVED_TOTAL for dim, amount in requested.items()
-    )
+    # capacity, read as _check_capacity reads it, one dimension of Capacity.DIMENSIONS
+    # after the other (spelled out: no loop, no dict; the test checks the five): it fits
+    # on every checked dimension (disk is not checked with physical-storage admission),
+    # and the reserved total stays within the limit on every one
+    a, r, q = runner.allocatable, runner.reserved, wanted.capacity
+    return not (
+        q.vcpu_count > a.vcpu_count - r.vcpu_count
+        or q.memory_bytes > a.memory_bytes - r.memory_bytes
+        or (q.disk_bytes > a.disk_bytes - r.disk_bytes
+            and CAPABILITY_PHYSICAL_STORAGE_ADMISSION not in capabilities)
+        or q.instances > a.instances - r.instances
+        or q.operations > a.operations - r.operations
+        or r.vcpu_count + q.vcpu_count > MAX_RESERVED_TOTAL
+        or r.memory_bytes + q.memory_bytes > MAX_RESERVED_TOTAL
+        or r.disk_bytes + q.disk_bytes > MAX_RESERVED_TOTAL
+        or r.instances + q.instances > MAX_RESERVED_TOTAL
+        or r.operations + q.operations > MAX_RESERVED_TOTAL
+    )  # fmt: skip
 
 
 def _evaluate(ctx: _Context, runner: RunnerSnapshot) -> RunnerEvaluation:
