@@ -68,11 +68,8 @@ class RunnerChecks(FoldState):
                 )
             if reserved[dim] < 0:
                 self._violate("invariant-2", f"runner {runner.runner_id!r} reserved {dim} < 0")
-        if max(reserved.values()) > MAX_RESERVED_TOTAL:  # its keys: the DIMENSIONS
-            for dim in (d for d in DIMENSIONS if reserved[d] > MAX_RESERVED_TOTAL):  # all
-                self._violate(
-                    "invariant-1", f"runner {runner.runner_id!r} reserved {dim} > 2**63-1"
-                )
+        for dim in (d for d in DIMENSIONS if reserved[d] > MAX_RESERVED_TOTAL):  # checked or not
+            self._violate("invariant-1", f"runner {runner.runner_id!r} reserved {dim} > 2**63-1")
 
     def _check_ledger(self, runner: RunnerState) -> None:
         owed = self.owed.get(runner.runner_id, ZERO)

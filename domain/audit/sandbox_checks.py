@@ -93,7 +93,10 @@ class SandboxChecks(FoldState):
         token = TokenDigests.digest(record["fencing_token"])
         if sandbox.tokens.holds(token):
             self._violate("invariant-3", f"fencing token reused in generation {generation}")
-        self._check_placement(sandbox, record, event.placement)  # read, never kept
+        placement = event.placement  # read, never kept: copied only as dict() reads it
+        self._check_placement(
+            sandbox, record, placement if type(placement) is dict else dict(placement)
+        )
         sandbox.assignments[generation] = record
         sandbox.tokens.add_digest(token)
         self._owe(record["runner_id"], record["capacity"], +1)
