@@ -60,13 +60,14 @@ class ScheduleRoute(BaseRoute):
         return (Match.FULL, child_scope) if match == Match.FULL else (Match.NONE, {})
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await _read_body(receive)
-        replay = _replaying(body, receive)
-        await authorize(Request(scope, replay))
-        parsed = _parsed(scope, body)
+        messages = await _read_messages(receive)
+        body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
+        await authorize(Request(scope, _replaying(messages, receive)))
+        whole = messages[-1]["type"] == "http.request"  # else the client went away
+        parsed = _parsed(scope, body) if whole else None
         if parsed is None:  # the FastAPI route answers it, as it always has
             scope[GO_ON] = True
-            await scope["router"].app(scope, _replaying(body, receive), send)
+            await scope["router"].app(scope, _replaying(messages, receive), send)
             return
         sandbox_id, schedule_body = parsed
         response = await self.route.endpoint(
@@ -101,28 +102,23 @@ def _parsed(scope: Scope, body: bytes) -> tuple[str, ScheduleBody] | None:
         return None
 
 
-async def _read_body(receive: Receive) -> bytes:
-    """The request's whole body (the body-size limit outside already bounds it)."""
-    chunks: list[bytes] = []
+async def _read_messages(receive: Receive) -> list[Message]:
+    """The request's messages up to its body's last one, or up to the client's going
+    away (the body-size limit outside already bounds them)."""
+    messages: list[Message] = []
     while True:
         message = await receive()
-        if message["type"] != "http.request":  # the client went away
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            break
-    return b"".join(chunks)
+        messages.append(message)
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return messages
 
 
-def _replaying(body: bytes, receive: Receive) -> Receive:
-    """A ``receive`` that gives ``body`` once, then the connection's next messages."""
-    given = False
+def _replaying(messages: list[Message], receive: Receive) -> Receive:
+    """A ``receive`` that gives ``messages`` again, then the connection's next ones."""
+    given = iter(list(messages))
 
     async def replay() -> Message:
-        nonlocal given
-        if given:
-            return await receive()
-        given = True
-        return {"type": "http.request", "body": body, "more_body": False}
+        message = next(given, None)
+        return await receive() if message is None else message
 
     return replay
