@@ -158,9 +158,71 @@ class RunnerSnapshotsView(SqlView):
         test = self.contains.format(column="materializations")
         return f"{test} AND {test}", [json.dumps(runtime), json.dumps(toolchain)]
 
+    def materialized_nowhere(self, runtime: str, toolchain: str) -> bool:
+        """True when provably no row holds a materialization of these digests (one
+        index look-up); False when one may (then ``materialization_test`` decides)."""
+        return False
+
+    def materialization_digests(self) -> dict[str, list[tuple[str, str]]] | None:
+        """Per runner id, the (runtime, toolchain) digests of its materializations as
+        the side table of :meth:`materialized_nowhere` holds them (``projections
+        verify`` compares them with the rows); None where there is no such table."""
+        return None
+
+
+# SQLite: the digests of every row's materializations in a side table, indexed, kept
+# by triggers in the transaction that writes the row (a row's insert, a change of its
+# materializations, its delete: the rebuild's clear), so that a toolchain digest no
+# runner has is found absent in one index look-up (projections/unmatched.py). A
+# placement's update sets neither column: no trigger fires. When the table is new (or
+# empty) it is filled from the rows already there.
+MATERIALIZATION_DIGESTS = "runner_materialization_digests"
+_DIGESTS_OF = (
+    f"INSERT INTO {MATERIALIZATION_DIGESTS} (runner_id, runtime_digest, toolchain_digest) "
+    "SELECT {row}.runner_id, json_extract(item.value, '$.runtime_digest'), "
+    "json_extract(item.value, '$.toolchain_digest') FROM json_each({row}.materializations) "
+    "AS item"
+)
+_DIGESTS_DDL = (
+    f"CREATE TABLE IF NOT EXISTS {MATERIALIZATION_DIGESTS} (runner_id TEXT NOT NULL, "
+    "runtime_digest TEXT, toolchain_digest TEXT)",
+    f"CREATE INDEX IF NOT EXISTS {MATERIALIZATION_DIGESTS}_digests "
+    f"ON {MATERIALIZATION_DIGESTS} (toolchain_digest, runtime_digest)",
+    f"CREATE INDEX IF NOT EXISTS {MATERIALIZATION_DIGESTS}_runner "
+    f"ON {MATERIALIZATION_DIGESTS} (runner_id)",
+    f"CREATE TRIGGER IF NOT EXISTS {MATERIALIZATION_DIGESTS}_insert AFTER INSERT ON {{table}} "
+    f"BEGIN {_DIGESTS_OF.format(row='NEW')}; END",
+    f"CREATE TRIGGER IF NOT EXISTS {MATERIALIZATION_DIGESTS}_update "
+    "AFTER UPDATE OF runner_id, materializations ON {table} "
+    f"BEGIN DELETE FROM {MATERIALIZATION_DIGESTS} WHERE runner_id = OLD.runner_id; "
+    f"{_DIGESTS_OF.format(row='NEW')}; END",
+    f"CREATE TRIGGER IF NOT EXISTS {MATERIALIZATION_DIGESTS}_delete AFTER DELETE ON {{table}} "
+    f"BEGIN DELETE FROM {MATERIALIZATION_DIGESTS} WHERE runner_id = OLD.runner_id; END",
+    _DIGESTS_OF.format(row="snap").replace("FROM json_each", "FROM {table} AS snap, json_each", 1)
+    + f" WHERE NOT EXISTS (SELECT 1 FROM {MATERIALIZATION_DIGESTS})",
+)
+
 
 class SQLiteRunnerSnapshotsView(RunnerSnapshotsView, SQLiteSqlView):
-    pass
+    ddl = (*RunnerSnapshotsView.ddl, *_DIGESTS_DDL)
+
+    def materialized_nowhere(self, runtime: str, toolchain: str) -> bool:
+        rows = self.query(
+            f"SELECT 1 AS found FROM {MATERIALIZATION_DIGESTS} "
+            "WHERE toolchain_digest = %s AND runtime_digest = %s LIMIT 1",
+            [toolchain, runtime],
+        )
+        return not rows
+
+    def materialization_digests(self) -> dict[str, list[tuple[str, str]]] | None:
+        rows = self.query(
+            f"SELECT runner_id, runtime_digest, toolchain_digest FROM {MATERIALIZATION_DIGESTS}"
+        )
+        digests: dict[str, list[tuple[str, str]]] = {}
+        for row in rows:
+            pair = (row["runtime_digest"], row["toolchain_digest"])
+            digests.setdefault(row["runner_id"], []).append(pair)
+        return {runner_id: sorted(pairs) for runner_id, pairs in digests.items()}
 
 
 class PostgresRunnerSnapshotsView(RunnerSnapshotsView, PostgresSqlView):

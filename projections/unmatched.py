@@ -107,6 +107,8 @@ def may_match(
     where = ["pool_name = %s", "deregistered = 0"]
     params: list[Any] = [requirements.pool_name]
     if CAPABILITY_CLIENT_SELECTED_IMAGE not in requirements.required_capabilities:
+        if view.materialized_nowhere(*digests):  # SQLite: one look-up in a side table
+            return False
         test, test_params = view.materialization_test(*digests)
         where.append(f"({test})")
         params += test_params
