@@ -30,6 +30,7 @@ from secondbox_scheduler.domain.values import (
 from secondbox_scheduler.projections.row_changes import Insert, RowChange, Update
 from secondbox_scheduler.projections.sql_view import (
     PostgresSqlView,
+    Query,
     SQLiteSqlView,
     SqlProjection,
     SqlView,
@@ -169,6 +170,23 @@ class RunnerSnapshotsView(SqlView):
         verify`` compares them with the rows); None where there is no such table."""
         return None
 
+    # The columns the rules left to Python read (projections/unmatched.py), in the order
+    # of the SQLite index that answers :meth:`alike_in_pool`.
+    ALIKE: ClassVar[tuple[str, ...]] = (
+        "backend_kind",
+        "architecture",
+        "capabilities",
+        "materializations",
+        "supported_egress_contexts",
+    )
+
+    def alike_in_pool(self, pool_name: str, query: Query) -> tuple[str, ...] | None:
+        """The :attr:`ALIKE` values when every registered runner of the pool has the same
+        (two index look-ups by ``query``); None when they differ, the pool is empty, or
+        no index answers it here (then projections/unmatched.py compares them in its
+        survey)."""
+        return None
+
 
 # SQLite: the digests of every row's materializations in a side table, indexed, kept
 # by triggers in the transaction that writes the row (a row's insert, a change of its
@@ -204,7 +222,31 @@ _DIGESTS_DDL = (
 
 
 class SQLiteRunnerSnapshotsView(RunnerSnapshotsView, SQLiteSqlView):
-    ddl = (*RunnerSnapshotsView.ddl, *_DIGESTS_DDL)
+    # The registered runners of each pool sorted by the ALIKE columns (BINARY: bytes),
+    # so that the first and the last are equal exactly when all are: a refusal's survey
+    # then leaves the texts out (projections/unmatched.py). A placement, a release or a
+    # heartbeat sets none of these columns: SQLite leaves the index alone.
+    ddl = (
+        *RunnerSnapshotsView.ddl,
+        "CREATE INDEX IF NOT EXISTS runner_snapshots_alike ON {table} (pool_name, "
+        + ", ".join(RunnerSnapshotsView.ALIKE)
+        + ") WHERE deregistered = 0",
+        *_DIGESTS_DDL,
+    )
+
+    def alike_in_pool(self, pool_name: str, query: Query) -> tuple[str, ...] | None:
+        columns = ", ".join(self.ALIKE)
+        ends = [
+            query(
+                f"SELECT {columns} FROM {{table}} WHERE pool_name = %s AND deregistered = 0 "
+                f"ORDER BY {', '.join(f'{column}{direction}' for column in self.ALIKE)} LIMIT 1",
+                [pool_name],
+            )
+            for direction in ("", " DESC")
+        ]
+        if not ends[0] or ends[0] != ends[1]:
+            return None
+        return tuple(ends[0][0][column] for column in self.ALIKE)
 
     def materialized_nowhere(self, runtime: str, toolchain: str) -> bool:
         rows = self.query(

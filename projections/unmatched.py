@@ -77,8 +77,7 @@ PREFIX = 2 * EVIDENCE_PER_REASON  # passing runners read best first with the sur
 MAX_SEARCHED = 4  # combinations whose first runners the prefix lacks, read each apart
 FREE_ORDER = ("instances", "vcpu_count", "memory_bytes")  # candidate order after locality
 # The columns the rules left to Python read (besides the capacity bits).
-ALIKE = ("backend_kind", "architecture", "capabilities", "materializations",
-         "supported_egress_contexts")  # fmt: skip
+ALIKE = RunnerSnapshotsView.ALIKE
 
 
 def unmatched_candidates(
@@ -206,21 +205,24 @@ class _Sql:
             [*self.rule_params, *self.bits_params, self.pool_name, *best_params],
         )
 
-    def alike_survey(self, collate: str) -> tuple[str, list[Any]]:
+    def alike_survey(self, collate: str, *, texts: bool = True) -> tuple[str, list[Any]]:
         """Per failed-rule bitmask the runners, one id, and the least and the greatest
         value of each ALIKE column and of the capacity bits (texts compared byte by byte:
         ``collate``). Least equal to greatest on every column of bitmask 0 (the rows that
         pass the prefilter): every passing runner is alike. Grouped by the bitmask only:
-        a few groups, whatever the texts."""
-        bounds = ", ".join(
-            f"MIN({column}{collate}) AS lo_{column}, MAX({column}{collate}) AS hi_{column}"
-            for column in ALIKE
+        a few groups, whatever the texts. Without ``texts``: the capacity bits' only (the
+        ALIKE columns known equal on every runner of the pool)."""
+        columns = ALIKE if texts else ()
+        bounds = "".join(
+            f"MIN({column}{collate}) AS lo_{column}, MAX({column}{collate}) AS hi_{column}, "
+            for column in columns
         )
         return (
-            f"SELECT flags, COUNT(*) AS n, MIN(runner_id) AS runner_id, {bounds}, "
+            f"SELECT flags, COUNT(*) AS n, MIN(runner_id) AS runner_id, {bounds}"
             "MIN(cb) AS lo_cb, MAX(cb) AS hi_cb "
-            f"FROM (SELECT ({self.flags}) AS flags, runner_id, {', '.join(ALIKE)}, "
-            f"({self.bits}) AS cb FROM {{table}} WHERE pool_name = %s AND deregistered = 0"
+            f"FROM (SELECT ({self.flags}) AS flags, runner_id, "
+            + "".join(f"{column}, " for column in columns)
+            + f"({self.bits}) AS cb FROM {{table}} WHERE pool_name = %s AND deregistered = 0"
             f"{self.fence}) AS pool GROUP BY flags",
             [*self.rule_params, *self.bits_params, self.pool_name],
         )
@@ -361,13 +363,26 @@ def _alike(
 ) -> tuple[PoolCounts, dict[Group, int], list[str]] | None:
     """The prefilter's counts, and the one group of the runners that pass it (none when
     none pass) with its size and one runner, from :meth:`_Sql.alike_survey`; ``None``
-    when the passing runners are not all alike."""
-    rows = view.query(*sql.alike_survey(view.byte_collation))
+    when the passing runners are not all alike. Where an index shows every runner of
+    the pool alike in the ALIKE columns (SQLite: ``alike_in_pool``), the survey
+    compares the capacity bits only: the texts would cost it most of its time."""
+    with view.reading() as query:  # the look-ups and the survey: one snapshot on SQLite
+        known = view.alike_in_pool(sql.pool_name, query)
+        rows = query(*sql.alike_survey(view.byte_collation, texts=known is None))
     counts = pool_counts(rows, sql.rules)
     passing = [row for row in rows if row["flags"] == 0]
     if not passing:
         return counts, {}, []
     (row,) = passing
+    if known is not None:
+        row = {
+            **row,
+            **{
+                f"{end}_{column}": value
+                for column, value in zip(ALIKE, known, strict=True)
+                for end in ("lo", "hi")
+            },
+        }
     columns = (*ALIKE, "cb")
     if any(row[f"lo_{column}"] != row[f"hi_{column}"] for column in columns):
         return None
