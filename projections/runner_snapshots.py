@@ -187,6 +187,12 @@ class RunnerSnapshotsView(SqlView):
         survey)."""
         return None
 
+    def one_locality_in_pool(self, pool_name: str, query: Query) -> bool:
+        """True when every registered runner of the pool has the same artifact digests
+        (two index look-ups by ``query``: then one locality bound for all); False when
+        they differ or no index answers it here."""
+        return False
+
 
 # SQLite: the digests of every row's materializations in a side table, indexed, kept
 # by triggers in the transaction that writes the row (a row's insert, a change of its
@@ -231,22 +237,17 @@ class SQLiteRunnerSnapshotsView(RunnerSnapshotsView, SQLiteSqlView):
         "CREATE INDEX IF NOT EXISTS runner_snapshots_alike ON {table} (pool_name, "
         + ", ".join(RunnerSnapshotsView.ALIKE)
         + ") WHERE deregistered = 0",
+        "CREATE INDEX IF NOT EXISTS runner_snapshots_artifacts ON {table} "
+        "(pool_name, artifact_digests) WHERE deregistered = 0",
         *_DIGESTS_DDL,
     )
 
     def alike_in_pool(self, pool_name: str, query: Query) -> tuple[str, ...] | None:
-        columns = ", ".join(self.ALIKE)
-        ends = [
-            query(
-                f"SELECT {columns} FROM {{table}} WHERE pool_name = %s AND deregistered = 0 "
-                f"ORDER BY {', '.join(f'{column}{direction}' for column in self.ALIKE)} LIMIT 1",
-                [pool_name],
-            )
-            for direction in ("", " DESC")
-        ]
-        if not ends[0] or ends[0] != ends[1]:
-            return None
-        return tuple(ends[0][0][column] for column in self.ALIKE)
+        ends = _index_ends(query, pool_name, self.ALIKE)
+        return None if ends is None else tuple(ends[column] for column in self.ALIKE)
+
+    def one_locality_in_pool(self, pool_name: str, query: Query) -> bool:
+        return _index_ends(query, pool_name, ("artifact_digests",)) is not None
 
     def materialized_nowhere(self, runtime: str, toolchain: str) -> bool:
         rows = self.query(
@@ -265,6 +266,24 @@ class SQLiteRunnerSnapshotsView(RunnerSnapshotsView, SQLiteSqlView):
             pair = (row["runtime_digest"], row["toolchain_digest"])
             digests.setdefault(row["runner_id"], []).append(pair)
         return {runner_id: sorted(pairs) for runner_id, pairs in digests.items()}
+
+
+def _index_ends(query: Query, pool_name: str, columns: tuple[str, ...]) -> dict[str, Any] | None:
+    """The values of ``columns`` when the first and the last registered runners of the
+    pool by them (an index's ends) have the same, so that every runner between has
+    them; None when they differ or the pool has no registered runner."""
+    ends = [
+        query(
+            f"SELECT {', '.join(columns)} FROM {{table}} WHERE pool_name = %s AND "
+            f"deregistered = 0 ORDER BY {', '.join(f'{column}{direction}' for column in columns)} "
+            "LIMIT 1",
+            [pool_name],
+        )
+        for direction in ("", " DESC")
+    ]
+    if not ends[0] or ends[0] != ends[1]:
+        return None
+    return ends[0][0]
 
 
 class PostgresRunnerSnapshotsView(RunnerSnapshotsView, PostgresSqlView):

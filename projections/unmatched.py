@@ -173,6 +173,7 @@ class _Sql:
         # (no preferred digest: no locality term, which SQLite would read as a column number)
         locality = [] if self.locality == "0" else [f"{self.locality} DESC"]
         self.order = ", ".join([*locality, *free, view.id_order])
+        self.free_order = ", ".join([*free, view.id_order])
         self.fence = view.subquery_fence
 
     def _best_passing(
@@ -227,9 +228,27 @@ class _Sql:
             [*self.rule_params, *self.bits_params, self.pool_name],
         )
 
-    def best(self, limit: int) -> tuple[str, list[Any]]:
-        """The ids of the first ``limit`` passing rows in candidate order."""
-        return self._best_passing("", [], limit)
+    def best(
+        self, limit: int, *, everyone_passes: bool = False, one_locality: bool = False
+    ) -> tuple[str, list[Any]]:
+        """The ids of the first ``limit`` passing rows in candidate order. In a snapshot
+        where every runner of the pool passes the prefilter (``everyone_passes``), the
+        same without testing it; where all share their artifact digests
+        (``one_locality``: the same locality bound), ordered without that term."""
+        if not (everyone_passes or one_locality):
+            return self._best_passing("", [], limit)
+        passing = "" if everyone_passes else f" AND {self.passing}"
+        order = self.free_order if one_locality else self.order
+        return (
+            "SELECT runner_id FROM {table} WHERE pool_name = %s AND deregistered = 0"
+            f"{passing} ORDER BY {order} LIMIT %s",
+            [
+                self.pool_name,
+                *([] if everyone_passes else self.rule_params),
+                *([] if one_locality else self.locality_params),
+                limit,
+            ],
+        )
 
     def first_of(self, groups: list[Group], limit: int) -> tuple[str, list[Any]]:
         """The ids of the first ``limit`` passing rows of these groups, in candidate order."""
@@ -312,11 +331,11 @@ def refusal_candidates(
             prefix = [row["runner_id"] for row in rows if row["flags"] < 0]
             one_each = [row["runner_id"] for row in rows if row["flags"] == 0]
         else:
-            counts, sizes, one_each = surveyed
+            counts, sizes, one_each, first_ids = surveyed
             found = best.result() if best is not None else None
-            if found is None and sizes:
-                found = view.query(*sql.best(PREFIX))
-            prefix = [row["runner_id"] for row in found or []] if sizes else []
+            if found is not None:
+                first_ids = [row["runner_id"] for row in found]
+            prefix = first_ids if sizes else []
     members = _members(view, sql, prefix + one_each, requirements, now, heartbeat_timeout)
     if members is None:
         return None
@@ -360,34 +379,49 @@ def refusal_candidates(
 
 def _alike(
     view: RunnerSnapshotsView, sql: _Sql
-) -> tuple[PoolCounts, dict[Group, int], list[str]] | None:
-    """The prefilter's counts, and the one group of the runners that pass it (none when
-    none pass) with its size and one runner, from :meth:`_Sql.alike_survey`; ``None``
-    when the passing runners are not all alike. Where an index shows every runner of
-    the pool alike in the ALIKE columns (SQLite: ``alike_in_pool``), the survey
-    compares the capacity bits only: the texts would cost it most of its time."""
-    with view.reading() as query:  # the look-ups and the survey: one snapshot on SQLite
+) -> tuple[PoolCounts, dict[Group, int], list[str], list[str]] | None:
+    """The prefilter's counts, the one group of the runners that pass it (none when none
+    pass) with its size and one runner, from :meth:`_Sql.alike_survey`, and the ids of
+    the first :data:`PREFIX` passing runners in candidate order (none where they are
+    read beside: ``parallel_reads``); ``None`` when the passing runners are not all
+    alike.
+
+    Where indexes answer it (SQLite), in one snapshot: when the first and the last
+    registered runners of the pool are alike (``alike_in_pool``), the survey compares
+    the capacity bits only (the texts would cost it most of its time); the first
+    passing runners are read without the prefilter's test when every runner passes it,
+    and without the locality term when all share their artifact digests
+    (``one_locality_in_pool``)."""
+    with view.reading() as query:
         known = view.alike_in_pool(sql.pool_name, query)
         rows = query(*sql.alike_survey(view.byte_collation, texts=known is None))
-    counts = pool_counts(rows, sql.rules)
-    passing = [row for row in rows if row["flags"] == 0]
-    if not passing:
-        return counts, {}, []
-    (row,) = passing
-    if known is not None:
-        row = {
-            **row,
-            **{
-                f"{end}_{column}": value
-                for column, value in zip(ALIKE, known, strict=True)
-                for end in ("lo", "hi")
-            },
-        }
-    columns = (*ALIKE, "cb")
-    if any(row[f"lo_{column}"] != row[f"hi_{column}"] for column in columns):
-        return None
+        counts = pool_counts(rows, sql.rules)
+        passing = [row for row in rows if row["flags"] == 0]
+        if not passing:
+            return counts, {}, [], []
+        (row,) = passing
+        if known is not None:
+            row = {
+                **row,
+                **{
+                    f"{end}_{column}": value
+                    for column, value in zip(ALIKE, known, strict=True)
+                    for end in ("lo", "hi")
+                },
+            }
+        columns = (*ALIKE, "cb")
+        if any(row[f"lo_{column}"] != row[f"hi_{column}"] for column in columns):
+            return None
+        first: list[str] = []
+        if not view.parallel_reads:
+            statement = sql.best(
+                PREFIX,
+                everyone_passes=row["n"] == counts.pool_runners,
+                one_locality=view.one_locality_in_pool(sql.pool_name, query),
+            )
+            first = [found["runner_id"] for found in query(*statement)]
     group = tuple(row[f"lo_{column}"] for column in columns)
-    return counts, {group: row["n"]}, [row["runner_id"]]
+    return counts, {group: row["n"]}, [row["runner_id"]], first
 
 
 def _rank(member: Member) -> RankKey:

@@ -34,6 +34,7 @@ from tests.factories import (
     TOOLCHAIN,
     capacity,
     create_sandbox,
+    materialization,
     register,
     schedule_request,
 )
@@ -183,13 +184,25 @@ def _answer(app: SchedulerApplication, sandbox_id: str, *, full_scan: bool) -> A
             return type(error), str(error), error.evaluations, error.unlisted.to_record()
 
 
-@pytest.mark.parametrize("odd", [None, "arm64", "draining"])
-def test_a_refusal_surveyed_without_the_texts_is_the_full_scans(
+# per odd runner: whether the index shows the pool alike, whether every runner passes
+# the prefilter, whether all share their artifact digests (on SQLite)
+ODD = {
+    None: (True, True, True),
+    "arm64": (False, False, True),
+    "draining": (True, False, True),
+    "digests": (True, True, False),
+}
+
+
+@pytest.mark.parametrize("odd", sorted(ODD, key=str))
+def test_a_refusal_read_through_the_indexes_is_the_full_scans(
     store: Store, clock: Clock, monkeypatch: pytest.MonkeyPatch, odd: str | None
 ) -> None:
-    """A pool of alike runners (SQLite: surveyed without the texts), one with a runner of
-    another architecture (the index ends differ: the texts compared), one with a
-    draining runner (alike still): each refusal is the full scan's."""
+    """A pool of alike runners (SQLite: surveyed without the texts, the first runners
+    read without the prefilter's test and the locality term); a runner of another
+    architecture (the index ends differ: the texts compared; the prefilter tested); a
+    draining one (alike still; the prefilter tested); one with more artifact digests
+    (ranked first by locality: the locality term kept). Each refusal is the full scan's."""
     app = store.open()
     for index in range(12):
         register(app, f"r{index:02d}", at=clock(), allocatable=capacity(instances=1 + index % 3))
@@ -197,15 +210,36 @@ def test_a_refusal_surveyed_without_the_texts_is_the_full_scans(
         register(app, "odd", at=clock(), architecture="arm64")
     elif odd == "draining":
         app.start_drain("r03")
-    texts: list[bool] = []
-    survey = unmatched._Sql.alike_survey
+    elif odd == "digests":
+        app.record_heartbeat(
+            runner_id="r05",
+            at=clock(),
+            artifact_digests=[RUNTIME, RUNTIME],
+            materializations=[materialization()],
+        )
+    surveys: list[bool] = []
+    bests: list[tuple[bool, bool]] = []
+    survey, best = unmatched._Sql.alike_survey, unmatched._Sql.best
 
-    def watched(self: Any, collate: str, **kwargs: Any) -> Any:
-        texts.append(kwargs.get("texts", True))
+    def watched_survey(self: Any, collate: str, **kwargs: Any) -> Any:
+        surveys.append(kwargs.get("texts", True))
         return survey(self, collate, **kwargs)
 
-    monkeypatch.setattr(unmatched._Sql, "alike_survey", watched)
+    def watched_best(self: Any, limit: int, **kwargs: Any) -> Any:
+        bests.append((kwargs.get("everyone_passes", False), kwargs.get("one_locality", False)))
+        return best(self, limit, **kwargs)
+
+    monkeypatch.setattr(unmatched._Sql, "alike_survey", watched_survey)
+    monkeypatch.setattr(unmatched._Sql, "best", watched_best)
     answer = _answer(app, "short", full_scan=False)
-    assert texts == [store.kind == "postgres" or odd == "arm64"]
+    alike, everyone, one_locality = ODD[odd]
+    if store.kind == "sqlite":
+        assert surveys == [not alike]
+        assert bests == [(everyone, one_locality)]
+    else:  # no such index: the texts compared, the first runners read beside
+        assert surveys == [True]
+        assert bests == [(False, False)]
     assert answer == _answer(app, "full", full_scan=True)
     assert "without the materialization" in answer[1]
+    if odd == "digests":
+        assert answer[2][0].runner_id == "r05"  # the most local first
