@@ -268,15 +268,23 @@ class SQLiteRunnerSnapshotsView(RunnerSnapshotsView, SQLiteSqlView):
         return {runner_id: sorted(pairs) for runner_id, pairs in digests.items()}
 
 
-def _index_ends(query: Query, pool_name: str, columns: tuple[str, ...]) -> dict[str, Any] | None:
+def _index_ends(
+    query: Query,
+    pool_name: str,
+    columns: tuple[str, ...],
+    collate: str = "",
+    indexed: str = "",
+) -> dict[str, Any] | None:
     """The values of ``columns`` when the first and the last registered runners of the
-    pool by them (an index's ends) have the same, so that every runner between has
-    them; None when they differ or the pool has no registered runner."""
+    pool by them (an index's ends: texts compared byte by byte, ``collate``; the rows of
+    a partial index, ``indexed``) have the same, so that every runner between has them;
+    None when they differ or the pool has no such runner."""
     ends = [
         query(
             f"SELECT {', '.join(columns)} FROM {{table}} WHERE pool_name = %s AND "
-            f"deregistered = 0 ORDER BY {', '.join(f'{column}{direction}' for column in columns)} "
-            "LIMIT 1",
+            f"deregistered = 0{indexed} ORDER BY "
+            + ", ".join(f"{column}{collate}{direction}" for column in columns)
+            + " LIMIT 1",
             [pool_name],
         )
         for direction in ("", " DESC")
@@ -286,13 +294,31 @@ def _index_ends(query: Query, pool_name: str, columns: tuple[str, ...]) -> dict[
     return ends[0][0]
 
 
+# PostgreSQL: a B-tree entry holds at most about 2,700 bytes, so its index of the ALIKE
+# columns holds the rows whose texts are shorter than this (all but a runner of
+# unusually many materializations), and a second index the others' pools: a pool with
+# one of those is surveyed with its texts.
+_SHORT = (
+    "octet_length(pool_name) + "
+    + " + ".join(f"octet_length({column})" for column in RunnerSnapshotsView.ALIKE)
+    + " < 2000"
+)
+
+
 class PostgresRunnerSnapshotsView(RunnerSnapshotsView, PostgresSqlView):
     # The materializations as jsonb, indexed, so that a digest no runner has is found
     # absent without a scan of the pool (projections/unmatched.py).
+    # The ALIKE index as on SQLite (projections/unmatched.py): no placement, release or
+    # heartbeat sets a column these indexes read, so such an update stays HOT.
     ddl = (
         *RunnerSnapshotsView.ddl,
         "CREATE INDEX IF NOT EXISTS runner_snapshots_materializations "
         "ON {table} USING gin ((materializations::jsonb) jsonb_path_ops)",
+        "CREATE INDEX IF NOT EXISTS runner_snapshots_alike ON {table} (pool_name, "
+        + ", ".join(f'{column} COLLATE "C"' for column in RunnerSnapshotsView.ALIKE)
+        + f") WHERE deregistered = 0 AND {_SHORT}",
+        "CREATE INDEX IF NOT EXISTS runner_snapshots_alike_long ON {table} (pool_name) "
+        f"WHERE deregistered = 0 AND NOT ({_SHORT})",
     )
     id_order = 'runner_id COLLATE "C"'  # byte order of UTF-8 = Python's str order
     contains = "STRPOS({column}, %s) > 0"
@@ -300,6 +326,17 @@ class PostgresRunnerSnapshotsView(RunnerSnapshotsView, PostgresSqlView):
     byte_collation = ' COLLATE "C"'
     parallel_reads = True  # a connection each, served by two server processes
     series = "generate_series(1, %s) AS n(i)"
+
+    def alike_in_pool(self, pool_name: str, query: Query) -> tuple[str, ...] | None:
+        long = query(
+            "SELECT 1 AS found FROM {table} WHERE pool_name = %s AND deregistered = 0 "
+            f"AND NOT ({_SHORT}) LIMIT 1",
+            [pool_name],
+        )
+        if long:
+            return None
+        ends = _index_ends(query, pool_name, self.ALIKE, self.byte_collation, f" AND {_SHORT}")
+        return None if ends is None else tuple(ends[column] for column in self.ALIKE)
 
     def materialization_test(self, runtime: str, toolchain: str) -> tuple[str, list[Any]]:
         """jsonb containment of an item of both digests: answered by the GIN index."""

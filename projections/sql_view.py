@@ -165,15 +165,19 @@ class SqlView(TrackingRecorder):
 
     @contextmanager
     def reading(self) -> Iterator[Query]:
-        """A ``query`` whose statements share one read transaction (on SQLite one
-        snapshot of the database; on PostgreSQL, read committed, one per statement)."""
+        """A ``query`` whose statements share one read transaction and see one snapshot
+        of the database (SQLite's; on PostgreSQL repeatable read)."""
         with self.datastore.transaction(commit=False) as cursor:  # type: ignore[attr-defined]
+            self._begin_reading(cursor)
 
             def query(sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
                 cursor.execute(self._sql(self._format(sql)), tuple(params))
                 return [dict(row) for row in cursor.fetchall()]
 
             yield query
+
+    def _begin_reading(self, cursor: Any) -> None:
+        """SQLite: a read transaction sees one snapshot from its first read on."""
 
     # How ``clear`` empties the table; PostgreSQL truncates instead, so that a rebuild
     # fills fresh tables and indexes, not ones full of dead rows.
@@ -316,6 +320,9 @@ class PostgresSqlView(SqlView, PostgresTrackingRecorder):
 
     def _commit_asynchronously(self, cursor: Any) -> None:
         cursor.execute(SQL("SET LOCAL synchronous_commit TO OFF"))
+
+    def _begin_reading(self, cursor: Any) -> None:
+        cursor.execute(SQL("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
 
     def _insert_rows(
         self, cursor: Any, columns: tuple[str, ...], rows: list[tuple[Any, ...]]

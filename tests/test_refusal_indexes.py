@@ -23,8 +23,10 @@ from secondbox_scheduler.domain.values import MaterializationSnapshot
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.read_model_verify import DIGESTS, verify_read_models
 from secondbox_scheduler.projections.read_models import ReadModels, rebuild
+from secondbox_scheduler.projections.row_changes import Update
 from secondbox_scheduler.projections.runner_snapshots import (
     MATERIALIZATION_DIGESTS,
+    RESERVED,
     RunnerSnapshotsView,
 )
 from tests.conftest import Clock, Store
@@ -151,8 +153,8 @@ def test_verify_names_a_tampered_side_table(sqlite_store: Store, clock: Clock) -
     }
 
 
-def test_alike_in_pool_answers_from_the_index_ends(sqlite_store: Store, clock: Clock) -> None:
-    app = sqlite_store.open()
+def test_alike_in_pool_answers_from_the_index_ends(store: Store, clock: Clock) -> None:
+    app = store.open()
     for runner_id in ("r1", "r2", "r3"):
         register(app, runner_id, at=clock())
     view = _read_models(app).runners
@@ -171,6 +173,25 @@ def test_alike_in_pool_answers_from_the_index_ends(sqlite_store: Store, clock: C
     view = _read_models(app).runners
     with view.reading() as query:
         assert view.alike_in_pool("pool-a", query) == known
+
+
+def test_a_pool_of_long_texts_is_surveyed_with_them_on_postgres(store: Store, clock: Clock) -> None:
+    """PostgreSQL's index holds rows of short texts only (a B-tree entry has at most
+    about 2,700 bytes): a pool with a runner of longer ones is surveyed with its texts
+    (``alike_in_pool`` None), and its refusal is the full scan's. SQLite indexes any."""
+    app = store.open()
+    long = (*CAPABILITIES, *(f"{index:02d}-" + "x" * 250 for index in range(10)))
+    for runner_id in ("r1", "r2"):
+        register(app, runner_id, at=clock(), capabilities=long)
+    view = _read_models(app).runners
+    with view.reading() as query:
+        known = view.alike_in_pool("pool-a", query)
+    assert (known is None) == (store.kind == "postgres")
+    register(app, "r3", at=clock())  # short texts, another kind
+    view = _read_models(app).runners
+    with view.reading() as query:
+        assert view.alike_in_pool("pool-a", query) is None
+    assert _answer(app, "short", full_scan=False) == _answer(app, "full", full_scan=True)
 
 
 def _answer(app: SchedulerApplication, sandbox_id: str, *, full_scan: bool) -> Any:
@@ -233,13 +254,43 @@ def test_a_refusal_read_through_the_indexes_is_the_full_scans(
     monkeypatch.setattr(unmatched._Sql, "best", watched_best)
     answer = _answer(app, "short", full_scan=False)
     alike, everyone, one_locality = ODD[odd]
+    assert surveys == [not alike]
     if store.kind == "sqlite":
-        assert surveys == [not alike]
         assert bests == [(everyone, one_locality)]
-    else:  # no such index: the texts compared, the first runners read beside
-        assert surveys == [True]
+    else:  # the first runners read beside the survey, before it
         assert bests == [(False, False)]
     assert answer == _answer(app, "full", full_scan=True)
     assert "without the materialization" in answer[1]
     if odd == "digests":
         assert answer[2][0].runner_id == "r05"  # the most local first
+
+
+def test_a_placement_and_a_heartbeat_stay_hot_updates_on_postgres(
+    store: Store, clock: Clock
+) -> None:
+    """The indexes read no column a placement, a release or a heartbeat sets, so
+    PostgreSQL updates such a row in place (HOT: no index entry written)."""
+    if store.kind != "postgres":
+        pytest.skip("PostgreSQL's heap-only tuples")
+    app = store.open()
+    register(app, "r1", at=clock())
+    view = _read_models(app).runners
+    (row,) = view.query("SELECT stream_id, lease_id FROM {table} WHERE runner_id = 'r1'")
+    placement = Update(
+        ("stream_id",), (row["stream_id"],), {"version": 9}, dict.fromkeys(RESERVED, 1)
+    )
+    heartbeat = Update(
+        ("lease_id",),
+        (row["lease_id"],),
+        {"last_heartbeat_at": clock(), "lease_version": 9},
+    )
+    with view.datastore.transaction(commit=False) as cursor:  # type: ignore[attr-defined]
+        for change in (placement, heartbeat):
+            view._write(cursor, view.net([change]))
+        cursor.execute(
+            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables "
+            "WHERE relid = %s::regclass",
+            (view._format("{table}"),),
+        )
+        counts = cursor.fetchone()
+    assert (counts["n_tup_upd"], counts["n_tup_hot_upd"]) == (2, 2)
