@@ -2,7 +2,11 @@
 
 Fed by the Runner stream (registration, reservations, drain, allocatable,
 deregistration) and the RunnerLease stream (heartbeats and evidence). Indexed by
-(pool_name, architecture), which is how ``create_sandbox`` asks for candidates. Every
+(pool_name, architecture), which is how ``create_sandbox`` asks for candidates, and for
+a refusal over a large pool (projections/unmatched.py) by the columns the refusal
+compares, on SQLite by the artifact digests too, with a side table of the
+materializations' digests kept by triggers; no index reads a column that a placement, a
+release or a heartbeat sets. Every
 other event class is ignored with a reason (``IGNORED``); an event of an unknown class
 is counted (:mod:`projections.unknown_events`).
 """

@@ -11,7 +11,9 @@ that none of 50,000 runners has. Before it, :func:`unmatched_candidates`:
    materializations (jsonb containment through a GIN index on PostgreSQL, the digests'
    JSON strings on SQLite), every required and prerequisite capability and the egress
    context as JSON strings in their lists. Each test is necessary for its rule (a
-   superset test), so when no runner passes them all, none is compatible.
+   superset test), so when no runner passes them all, none is compatible. On SQLite a
+   digest pair no runner has is found first in a side table of the materializations'
+   digests (``materialized_nowhere``): one index look-up instead of a scan.
 2. **The refusal's evidence, as a full scan records it** (:func:`refusal_candidates`).
    The refusal of a full scan records the first :data:`EVIDENCE_PER_REASON` runners (in
    candidate order) of every combination of failed rules and counts the others
@@ -24,7 +26,12 @@ that none of 50,000 runners has. Before it, :func:`unmatched_candidates`:
    rows that pass it, one id and each ALIKE column's least and greatest value
    (:meth:`_Sql.alike_survey`): when they are equal, every passing runner is alike, and a
    second statement reads the first :data:`PREFIX` of them in candidate order (beside the
-   first where the store serves two reads at once: ``parallel_reads``). Otherwise
+   first where the store serves two reads at once: ``parallel_reads``). Where an index
+   of the pool's registered runners by the ALIKE columns has equal first and last
+   entries (``alike_in_pool``), the survey leaves the texts out (they cost it most of its
+   time); on SQLite the first rows are then read in the survey's snapshot, without the
+   prefilter's test when every runner passes it and without the locality term when all
+   share their artifact digests (:func:`_alike`). Otherwise
    one statement gives the counts again and, among the passing rows, each group of alike
    runners' size and one id, and the first :data:`PREFIX` ids in candidate order
    (:meth:`_Sql.survey`). Only those
