@@ -5,8 +5,9 @@ deregistration) and the RunnerLease stream (heartbeats and evidence). Indexed by
 (pool_name, architecture), which is how ``create_sandbox`` asks for candidates, and for
 a refusal over a large pool (projections/unmatched.py) by the columns the refusal
 compares, on SQLite by the artifact digests too, with a side table of the
-materializations' digests kept by triggers; no index reads a column that a placement, a
-release or a heartbeat sets. Every
+materializations' digests kept by triggers. No index reads a column that a placement, a
+release or a liveness heartbeat sets (recorded evidence changes the materializations,
+which PostgreSQL's GIN index already read). Every
 other event class is ignored with a reason (``IGNORED``); an event of an unknown class
 is counted (:mod:`projections.unknown_events`).
 """
@@ -234,8 +235,9 @@ _DIGESTS_DDL = (
 class SQLiteRunnerSnapshotsView(RunnerSnapshotsView, SQLiteSqlView):
     # The registered runners of each pool sorted by the ALIKE columns (BINARY: bytes),
     # so that the first and the last are equal exactly when all are: a refusal's survey
-    # then leaves the texts out (projections/unmatched.py). A placement, a release or a
-    # heartbeat sets none of these columns: SQLite leaves the index alone.
+    # then leaves the texts out (projections/unmatched.py); and by the artifact digests.
+    # A placement, a release or a liveness heartbeat sets none of these columns: SQLite
+    # leaves the indexes alone.
     ddl = (
         *RunnerSnapshotsView.ddl,
         "CREATE INDEX IF NOT EXISTS runner_snapshots_alike ON {table} (pool_name, "
@@ -313,7 +315,7 @@ class PostgresRunnerSnapshotsView(RunnerSnapshotsView, PostgresSqlView):
     # The materializations as jsonb, indexed, so that a digest no runner has is found
     # absent without a scan of the pool (projections/unmatched.py).
     # The ALIKE index as on SQLite (projections/unmatched.py): no placement, release or
-    # heartbeat sets a column these indexes read, so such an update stays HOT.
+    # liveness heartbeat sets a column these indexes read, so such an update stays HOT.
     ddl = (
         *RunnerSnapshotsView.ddl,
         "CREATE INDEX IF NOT EXISTS runner_snapshots_materializations "
