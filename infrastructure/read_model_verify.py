@@ -8,7 +8,9 @@ code: the expected values are the aggregates' (``Runner`` with its ``RunnerLease
 (read from the notification log, never from the read models). Each difference names
 the read model, the row (runner id; ``sandbox/generation``), the field, and both values:
 
-- a field that differs (nested ones dotted: ``reserved.instances``);
+- a field that differs (nested ones dotted: ``reserved.instances``; on SQLite also
+  ``materialization_digests``, the runner's pairs in the side table of
+  ``projections.runner_snapshots``, and such pairs of a runner with no row at all);
 - ``row``: a row missing from the read model, or one no aggregate accounts for;
 - ``position``: a tracking position beyond the log's head (``ReadModelAheadError``).
 
