@@ -12,6 +12,8 @@ not read it twice (projections/runner_snapshots.py, projections/unmatched.py).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,7 +31,7 @@ from secondbox_scheduler.projections.runner_snapshots import (
     RESERVED,
     RunnerSnapshotsView,
 )
-from tests.conftest import Clock, Store
+from tests.conftest import Clock, PostgresSchema, Store
 from tests.factories import (
     CAPABILITIES,
     RUNTIME,
@@ -68,10 +70,24 @@ def _item(runtime: str, toolchain: str) -> MaterializationSnapshot:
 
 
 @pytest.fixture
-def sqlite_store(store: Store) -> Store:
-    if store.kind != "sqlite":
-        pytest.skip("SQLite's side table and index")
-    return store
+def sqlite_store(tmp_path: Path, clock: Clock) -> Iterator[Store]:
+    """A SQLite store only (its side table and index)."""
+    env = {"PERSISTENCE_MODULE": "eventsourcing.sqlite", "SQLITE_DBNAME": str(tmp_path / "s.db")}
+    opened = Store("sqlite", env, clock)
+    try:
+        yield opened
+    finally:
+        opened.close()
+
+
+@pytest.fixture
+def postgres_store(postgres_schema: PostgresSchema, clock: Clock) -> Iterator[Store]:
+    """A PostgreSQL store only (its heap-only tuples)."""
+    opened = Store("postgres", postgres_schema.env(), clock)
+    try:
+        yield opened
+    finally:
+        opened.close()
 
 
 def test_the_side_table_follows_the_rows(sqlite_store: Store, clock: Clock) -> None:
@@ -266,13 +282,11 @@ def test_a_refusal_read_through_the_indexes_is_the_full_scans(
 
 
 def test_a_placement_and_a_heartbeat_stay_hot_updates_on_postgres(
-    store: Store, clock: Clock
+    postgres_store: Store, clock: Clock
 ) -> None:
     """The indexes read no column a placement, a release or a heartbeat sets, so
     PostgreSQL updates such a row in place (HOT: no index entry written)."""
-    if store.kind != "postgres":
-        pytest.skip("PostgreSQL's heap-only tuples")
-    app = store.open()
+    app = postgres_store.open()
     register(app, "r1", at=clock())
     view = _read_models(app).runners
     (row,) = view.query("SELECT stream_id, lease_id FROM {table} WHERE runner_id = 'r1'")
