@@ -8,7 +8,9 @@ code: the expected values are the aggregates' (``Runner`` with its ``RunnerLease
 (read from the notification log, never from the read models). Each difference names
 the read model, the row (runner id; ``sandbox/generation``), the field, and both values:
 
-- a field that differs (nested ones dotted: ``reserved.instances``);
+- a field that differs (nested ones dotted: ``reserved.instances``; on SQLite also
+  ``materialization_digests``, the runner's pairs in the side table of
+  ``projections.runner_snapshots``, and such pairs of a runner with no row at all);
 - ``row``: a row missing from the read model, or one no aggregate accounts for;
 - ``position``: a tracking position beyond the log's head (``ReadModelAheadError``).
 
@@ -46,6 +48,7 @@ RUNNERS = "runner_snapshots"
 ASSIGNMENTS = "assignments"
 ROW = "row"  # the field of a missing or unaccounted row
 PRESENT = "present"
+DIGESTS = "materialization_digests"  # SQLite's side table's (runtime, toolchain) pairs
 ROUNDS = 2  # comparisons, each after a catch-up, before a difference is reported
 
 
@@ -129,6 +132,8 @@ def _compare_runners(
     store: StoredApplication, read_models: ReadModels, differences: list[Difference]
 ) -> int:
     rows = {row["runner_id"]: row for row in read_models.runners.rows()}
+    # SQLite's side table of materialization digests (runner_snapshots.py), if any
+    digests = read_models.runners.materialization_digests()
     count = 0
     for stream in _streams(store, Runner.Registered):
         runner = store.load_stored(stream)
@@ -142,9 +147,19 @@ def _compare_runners(
         if row is None:
             differences.append(Difference(RUNNERS, runner.runner_id, ROW, None, PRESENT))
             continue
-        _diff(RUNNERS, runner.runner_id, _read(_runner_row_fields, row), expected, differences)
+        found = _read(_runner_row_fields, row)
+        if digests is not None and ROW not in found:
+            found[DIGESTS] = [list(pair) for pair in digests.pop(runner.runner_id, [])]
+            expected[DIGESTS] = sorted(
+                [item.runtime_digest, item.toolchain_digest]
+                for item in runner.snapshot(lease).materializations
+            )
+        _diff(RUNNERS, runner.runner_id, found, expected, differences)
     for runner_id in sorted(rows):
         differences.append(Difference(RUNNERS, runner_id, ROW, PRESENT, None))
+    for runner_id in sorted(set(digests or ()) - set(rows)):  # of no row at all
+        pairs = [list(pair) for pair in (digests or {})[runner_id]]
+        differences.append(Difference(RUNNERS, runner_id, DIGESTS, pairs, None))
     return count
 
 

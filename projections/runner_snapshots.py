@@ -2,7 +2,12 @@
 
 Fed by the Runner stream (registration, reservations, drain, allocatable,
 deregistration) and the RunnerLease stream (heartbeats and evidence). Indexed by
-(pool_name, architecture), which is how ``create_sandbox`` asks for candidates. Every
+(pool_name, architecture), which is how ``create_sandbox`` asks for candidates, and for
+a refusal over a large pool (projections/unmatched.py) by the columns the refusal
+compares, on SQLite by the artifact digests too, with a side table of the
+materializations' digests kept by triggers. No index reads a column that a placement, a
+release or a liveness heartbeat sets (recorded evidence changes the materializations,
+which PostgreSQL's GIN index already read). Every
 other event class is ignored with a reason (``IGNORED``); an event of an unknown class
 is counted (:mod:`projections.unknown_events`).
 """
@@ -30,6 +35,7 @@ from secondbox_scheduler.domain.values import (
 from secondbox_scheduler.projections.row_changes import Insert, RowChange, Update
 from secondbox_scheduler.projections.sql_view import (
     PostgresSqlView,
+    Query,
     SQLiteSqlView,
     SqlProjection,
     SqlView,
@@ -158,18 +164,167 @@ class RunnerSnapshotsView(SqlView):
         test = self.contains.format(column="materializations")
         return f"{test} AND {test}", [json.dumps(runtime), json.dumps(toolchain)]
 
+    def materialized_nowhere(self, runtime: str, toolchain: str) -> bool:
+        """True when provably no row holds a materialization of these digests (one
+        index look-up); False when one may (then ``materialization_test`` decides)."""
+        return False
+
+    def materialization_digests(self) -> dict[str, list[tuple[str, str]]] | None:
+        """Per runner id, the (runtime, toolchain) digests of its materializations as
+        the side table of :meth:`materialized_nowhere` holds them (``projections
+        verify`` compares them with the rows); None where there is no such table."""
+        return None
+
+    # The columns the rules left to Python read (projections/unmatched.py), in the order
+    # of the SQLite index that answers :meth:`alike_in_pool`.
+    ALIKE: ClassVar[tuple[str, ...]] = (
+        "backend_kind",
+        "architecture",
+        "capabilities",
+        "materializations",
+        "supported_egress_contexts",
+    )
+
+    def alike_in_pool(self, pool_name: str, query: Query) -> tuple[str, ...] | None:
+        """The :attr:`ALIKE` values when every registered runner of the pool has the same
+        (two index look-ups by ``query``); None when they differ, the pool is empty, or
+        no index answers it here (then projections/unmatched.py compares them in its
+        survey)."""
+        return None
+
+    def one_locality_in_pool(self, pool_name: str, query: Query) -> bool:
+        """True when every registered runner of the pool has the same artifact digests
+        (two index look-ups by ``query``: then one locality bound for all); False when
+        they differ or no index answers it here."""
+        return False
+
+
+# SQLite: the digests of every row's materializations in a side table, indexed, kept
+# by triggers in the transaction that writes the row (a row's insert, a change of its
+# materializations, its delete: the rebuild's clear), so that a toolchain digest no
+# runner has is found absent in one index look-up (projections/unmatched.py). A
+# placement's update sets neither column: no trigger fires. When the table is new (or
+# empty) it is filled from the rows already there.
+MATERIALIZATION_DIGESTS = "runner_materialization_digests"
+_DIGESTS_OF = (
+    f"INSERT INTO {MATERIALIZATION_DIGESTS} (runner_id, runtime_digest, toolchain_digest) "
+    "SELECT {row}.runner_id, json_extract(item.value, '$.runtime_digest'), "
+    "json_extract(item.value, '$.toolchain_digest') FROM json_each({row}.materializations) "
+    "AS item"
+)
+_DIGESTS_DDL = (
+    f"CREATE TABLE IF NOT EXISTS {MATERIALIZATION_DIGESTS} (runner_id TEXT NOT NULL, "
+    "runtime_digest TEXT, toolchain_digest TEXT)",
+    f"CREATE INDEX IF NOT EXISTS {MATERIALIZATION_DIGESTS}_digests "
+    f"ON {MATERIALIZATION_DIGESTS} (toolchain_digest, runtime_digest)",
+    f"CREATE INDEX IF NOT EXISTS {MATERIALIZATION_DIGESTS}_runner "
+    f"ON {MATERIALIZATION_DIGESTS} (runner_id)",
+    f"CREATE TRIGGER IF NOT EXISTS {MATERIALIZATION_DIGESTS}_insert AFTER INSERT ON {{table}} "
+    f"BEGIN {_DIGESTS_OF.format(row='NEW')}; END",
+    f"CREATE TRIGGER IF NOT EXISTS {MATERIALIZATION_DIGESTS}_update "
+    "AFTER UPDATE OF runner_id, materializations ON {table} "
+    f"BEGIN DELETE FROM {MATERIALIZATION_DIGESTS} WHERE runner_id = OLD.runner_id; "
+    f"{_DIGESTS_OF.format(row='NEW')}; END",
+    f"CREATE TRIGGER IF NOT EXISTS {MATERIALIZATION_DIGESTS}_delete AFTER DELETE ON {{table}} "
+    f"BEGIN DELETE FROM {MATERIALIZATION_DIGESTS} WHERE runner_id = OLD.runner_id; END",
+    _DIGESTS_OF.format(row="snap").replace("FROM json_each", "FROM {table} AS snap, json_each", 1)
+    + f" WHERE NOT EXISTS (SELECT 1 FROM {MATERIALIZATION_DIGESTS})",
+)
+
 
 class SQLiteRunnerSnapshotsView(RunnerSnapshotsView, SQLiteSqlView):
-    pass
+    # The registered runners of each pool sorted by the ALIKE columns (BINARY: bytes),
+    # so that the first and the last are equal exactly when all are: a refusal's survey
+    # then leaves the texts out (projections/unmatched.py); and by the artifact digests.
+    # A placement, a release or a liveness heartbeat sets none of these columns: SQLite
+    # leaves the indexes alone.
+    ddl = (
+        *RunnerSnapshotsView.ddl,
+        "CREATE INDEX IF NOT EXISTS runner_snapshots_alike ON {table} (pool_name, "
+        + ", ".join(RunnerSnapshotsView.ALIKE)
+        + ") WHERE deregistered = 0",
+        "CREATE INDEX IF NOT EXISTS runner_snapshots_artifacts ON {table} "
+        "(pool_name, artifact_digests) WHERE deregistered = 0",
+        *_DIGESTS_DDL,
+    )
+
+    def alike_in_pool(self, pool_name: str, query: Query) -> tuple[str, ...] | None:
+        ends = _index_ends(query, pool_name, self.ALIKE)
+        return None if ends is None else tuple(ends[column] for column in self.ALIKE)
+
+    def one_locality_in_pool(self, pool_name: str, query: Query) -> bool:
+        return _index_ends(query, pool_name, ("artifact_digests",)) is not None
+
+    def materialized_nowhere(self, runtime: str, toolchain: str) -> bool:
+        rows = self.query(
+            f"SELECT 1 AS found FROM {MATERIALIZATION_DIGESTS} "
+            "WHERE toolchain_digest = %s AND runtime_digest = %s LIMIT 1",
+            [toolchain, runtime],
+        )
+        return not rows
+
+    def materialization_digests(self) -> dict[str, list[tuple[str, str]]] | None:
+        rows = self.query(
+            f"SELECT runner_id, runtime_digest, toolchain_digest FROM {MATERIALIZATION_DIGESTS}"
+        )
+        digests: dict[str, list[tuple[str, str]]] = {}
+        for row in rows:
+            pair = (row["runtime_digest"], row["toolchain_digest"])
+            digests.setdefault(row["runner_id"], []).append(pair)
+        return {runner_id: sorted(pairs) for runner_id, pairs in digests.items()}
+
+
+def _index_ends(
+    query: Query,
+    pool_name: str,
+    columns: tuple[str, ...],
+    collate: str = "",
+    indexed: str = "",
+) -> dict[str, Any] | None:
+    """The values of ``columns`` when the first and the last registered runners of the
+    pool by them (an index's ends: texts compared byte by byte, ``collate``; the rows of
+    a partial index, ``indexed``) have the same, so that every runner between has them;
+    None when they differ or the pool has no such runner."""
+    ends = [
+        query(
+            f"SELECT {', '.join(columns)} FROM {{table}} WHERE pool_name = %s AND "
+            f"deregistered = 0{indexed} ORDER BY "
+            + ", ".join(f"{column}{collate}{direction}" for column in columns)
+            + " LIMIT 1",
+            [pool_name],
+        )
+        for direction in ("", " DESC")
+    ]
+    if not ends[0] or ends[0] != ends[1]:
+        return None
+    return ends[0][0]
+
+
+# PostgreSQL: a B-tree entry holds at most about 2,700 bytes, so its index of the ALIKE
+# columns holds the rows whose texts are shorter than this (all but a runner of
+# unusually many materializations), and a second index the others' pools: a pool with
+# one of those is surveyed with its texts.
+_SHORT = (
+    "octet_length(pool_name) + "
+    + " + ".join(f"octet_length({column})" for column in RunnerSnapshotsView.ALIKE)
+    + " < 2000"
+)
 
 
 class PostgresRunnerSnapshotsView(RunnerSnapshotsView, PostgresSqlView):
     # The materializations as jsonb, indexed, so that a digest no runner has is found
     # absent without a scan of the pool (projections/unmatched.py).
+    # The ALIKE index as on SQLite (projections/unmatched.py): no placement, release or
+    # liveness heartbeat sets a column these indexes read, so such an update stays HOT.
     ddl = (
         *RunnerSnapshotsView.ddl,
         "CREATE INDEX IF NOT EXISTS runner_snapshots_materializations "
         "ON {table} USING gin ((materializations::jsonb) jsonb_path_ops)",
+        "CREATE INDEX IF NOT EXISTS runner_snapshots_alike ON {table} (pool_name, "
+        + ", ".join(f'{column} COLLATE "C"' for column in RunnerSnapshotsView.ALIKE)
+        + f") WHERE deregistered = 0 AND {_SHORT}",
+        "CREATE INDEX IF NOT EXISTS runner_snapshots_alike_long ON {table} (pool_name) "
+        f"WHERE deregistered = 0 AND NOT ({_SHORT})",
     )
     id_order = 'runner_id COLLATE "C"'  # byte order of UTF-8 = Python's str order
     contains = "STRPOS({column}, %s) > 0"
@@ -177,6 +332,17 @@ class PostgresRunnerSnapshotsView(RunnerSnapshotsView, PostgresSqlView):
     byte_collation = ' COLLATE "C"'
     parallel_reads = True  # a connection each, served by two server processes
     series = "generate_series(1, %s) AS n(i)"
+
+    def alike_in_pool(self, pool_name: str, query: Query) -> tuple[str, ...] | None:
+        long = query(
+            "SELECT 1 AS found FROM {table} WHERE pool_name = %s AND deregistered = 0 "
+            f"AND NOT ({_SHORT}) LIMIT 1",
+            [pool_name],
+        )
+        if long:
+            return None
+        ends = _index_ends(query, pool_name, self.ALIKE, self.byte_collation, f" AND {_SHORT}")
+        return None if ends is None else tuple(ends[column] for column in self.ALIKE)
 
     def materialization_test(self, runtime: str, toolchain: str) -> tuple[str, list[Any]]:
         """jsonb containment of an item of both digests: answered by the GIN index."""

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any, ClassVar, TypeVar
 
@@ -34,6 +35,7 @@ from psycopg.sql import SQL, Composable, Composed, Identifier
 from secondbox_scheduler.projections.row_changes import Encoders, Key, NetChanges, RowChange
 from secondbox_scheduler.projections.unknown_events import UnknownEvents
 
+Query = Callable[..., list[dict[str, Any]]]  # SqlView.query's signature: (sql, params)
 COPY_MIN_ROWS = 64  # PostgreSQL: from this many inserted rows, COPY instead of INSERTs
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
 
@@ -160,6 +162,22 @@ class SqlView(TrackingRecorder):
         with self.datastore.transaction(commit=False) as cursor:  # type: ignore[attr-defined]
             cursor.execute(self._sql(self._format(sql)), tuple(params))
             return [dict(row) for row in cursor.fetchall()]
+
+    @contextmanager
+    def reading(self) -> Iterator[Query]:
+        """A ``query`` whose statements share one read transaction and see one snapshot
+        of the database (SQLite's; on PostgreSQL repeatable read)."""
+        with self.datastore.transaction(commit=False) as cursor:  # type: ignore[attr-defined]
+            self._begin_reading(cursor)
+
+            def query(sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+                cursor.execute(self._sql(self._format(sql)), tuple(params))
+                return [dict(row) for row in cursor.fetchall()]
+
+            yield query
+
+    def _begin_reading(self, cursor: Any) -> None:
+        """SQLite: a read transaction sees one snapshot from its first read on."""
 
     # How ``clear`` empties the table; PostgreSQL truncates instead, so that a rebuild
     # fills fresh tables and indexes, not ones full of dead rows.
@@ -303,6 +321,9 @@ class PostgresSqlView(SqlView, PostgresTrackingRecorder):
     def _commit_asynchronously(self, cursor: Any) -> None:
         cursor.execute(SQL("SET LOCAL synchronous_commit TO OFF"))
 
+    def _begin_reading(self, cursor: Any) -> None:
+        cursor.execute(SQL("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
+
     def _insert_rows(
         self, cursor: Any, columns: tuple[str, ...], rows: list[tuple[Any, ...]]
     ) -> None:
@@ -318,6 +339,7 @@ class PostgresSqlView(SqlView, PostgresTrackingRecorder):
 __all__ = [
     "Identifier",
     "PostgresSqlView",
+    "Query",
     "SQLiteSqlView",
     "SqlProjection",
     "SqlView",

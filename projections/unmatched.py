@@ -11,7 +11,9 @@ that none of 50,000 runners has. Before it, :func:`unmatched_candidates`:
    materializations (jsonb containment through a GIN index on PostgreSQL, the digests'
    JSON strings on SQLite), every required and prerequisite capability and the egress
    context as JSON strings in their lists. Each test is necessary for its rule (a
-   superset test), so when no runner passes them all, none is compatible.
+   superset test), so when no runner passes them all, none is compatible. On SQLite a
+   digest pair no runner has is found first in a side table of the materializations'
+   digests (``materialized_nowhere``): one index look-up instead of a scan.
 2. **The refusal's evidence, as a full scan records it** (:func:`refusal_candidates`).
    The refusal of a full scan records the first :data:`EVIDENCE_PER_REASON` runners (in
    candidate order) of every combination of failed rules and counts the others
@@ -24,7 +26,12 @@ that none of 50,000 runners has. Before it, :func:`unmatched_candidates`:
    rows that pass it, one id and each ALIKE column's least and greatest value
    (:meth:`_Sql.alike_survey`): when they are equal, every passing runner is alike, and a
    second statement reads the first :data:`PREFIX` of them in candidate order (beside the
-   first where the store serves two reads at once: ``parallel_reads``). Otherwise
+   first where the store serves two reads at once: ``parallel_reads``). Where an index
+   of the pool's registered runners by the ALIKE columns has equal first and last
+   entries (``alike_in_pool``), the survey leaves the texts out (they cost it most of its
+   time); on SQLite the first rows are then read in the survey's snapshot, without the
+   prefilter's test when every runner passes it and without the locality term when all
+   share their artifact digests (:func:`_alike`). Otherwise
    one statement gives the counts again and, among the passing rows, each group of alike
    runners' size and one id, and the first :data:`PREFIX` ids in candidate order
    (:meth:`_Sql.survey`). Only those
@@ -77,8 +84,7 @@ PREFIX = 2 * EVIDENCE_PER_REASON  # passing runners read best first with the sur
 MAX_SEARCHED = 4  # combinations whose first runners the prefix lacks, read each apart
 FREE_ORDER = ("instances", "vcpu_count", "memory_bytes")  # candidate order after locality
 # The columns the rules left to Python read (besides the capacity bits).
-ALIKE = ("backend_kind", "architecture", "capabilities", "materializations",
-         "supported_egress_contexts")  # fmt: skip
+ALIKE = RunnerSnapshotsView.ALIKE
 
 
 def unmatched_candidates(
@@ -107,6 +113,8 @@ def may_match(
     where = ["pool_name = %s", "deregistered = 0"]
     params: list[Any] = [requirements.pool_name]
     if CAPABILITY_CLIENT_SELECTED_IMAGE not in requirements.required_capabilities:
+        if view.materialized_nowhere(*digests):  # SQLite: one look-up in a side table
+            return False
         test, test_params = view.materialization_test(*digests)
         where.append(f"({test})")
         params += test_params
@@ -172,6 +180,7 @@ class _Sql:
         # (no preferred digest: no locality term, which SQLite would read as a column number)
         locality = [] if self.locality == "0" else [f"{self.locality} DESC"]
         self.order = ", ".join([*locality, *free, view.id_order])
+        self.free_order = ", ".join([*free, view.id_order])
         self.fence = view.subquery_fence
 
     def _best_passing(
@@ -204,28 +213,49 @@ class _Sql:
             [*self.rule_params, *self.bits_params, self.pool_name, *best_params],
         )
 
-    def alike_survey(self, collate: str) -> tuple[str, list[Any]]:
+    def alike_survey(self, collate: str, *, texts: bool = True) -> tuple[str, list[Any]]:
         """Per failed-rule bitmask the runners, one id, and the least and the greatest
         value of each ALIKE column and of the capacity bits (texts compared byte by byte:
         ``collate``). Least equal to greatest on every column of bitmask 0 (the rows that
         pass the prefilter): every passing runner is alike. Grouped by the bitmask only:
-        a few groups, whatever the texts."""
-        bounds = ", ".join(
-            f"MIN({column}{collate}) AS lo_{column}, MAX({column}{collate}) AS hi_{column}"
-            for column in ALIKE
+        a few groups, whatever the texts. Without ``texts``: the capacity bits' only (the
+        ALIKE columns known equal on every runner of the pool)."""
+        columns = ALIKE if texts else ()
+        bounds = "".join(
+            f"MIN({column}{collate}) AS lo_{column}, MAX({column}{collate}) AS hi_{column}, "
+            for column in columns
         )
         return (
-            f"SELECT flags, COUNT(*) AS n, MIN(runner_id) AS runner_id, {bounds}, "
+            f"SELECT flags, COUNT(*) AS n, MIN(runner_id) AS runner_id, {bounds}"
             "MIN(cb) AS lo_cb, MAX(cb) AS hi_cb "
-            f"FROM (SELECT ({self.flags}) AS flags, runner_id, {', '.join(ALIKE)}, "
-            f"({self.bits}) AS cb FROM {{table}} WHERE pool_name = %s AND deregistered = 0"
+            f"FROM (SELECT ({self.flags}) AS flags, runner_id, "
+            + "".join(f"{column}, " for column in columns)
+            + f"({self.bits}) AS cb FROM {{table}} WHERE pool_name = %s AND deregistered = 0"
             f"{self.fence}) AS pool GROUP BY flags",
             [*self.rule_params, *self.bits_params, self.pool_name],
         )
 
-    def best(self, limit: int) -> tuple[str, list[Any]]:
-        """The ids of the first ``limit`` passing rows in candidate order."""
-        return self._best_passing("", [], limit)
+    def best(
+        self, limit: int, *, everyone_passes: bool = False, one_locality: bool = False
+    ) -> tuple[str, list[Any]]:
+        """The ids of the first ``limit`` passing rows in candidate order. In a snapshot
+        where every runner of the pool passes the prefilter (``everyone_passes``), the
+        same without testing it; where all share their artifact digests
+        (``one_locality``: the same locality bound), ordered without that term."""
+        if not (everyone_passes or one_locality):
+            return self._best_passing("", [], limit)
+        passing = "" if everyone_passes else f" AND {self.passing}"
+        order = self.free_order if one_locality else self.order
+        return (
+            "SELECT runner_id FROM {table} WHERE pool_name = %s AND deregistered = 0"
+            f"{passing} ORDER BY {order} LIMIT %s",
+            [
+                self.pool_name,
+                *([] if everyone_passes else self.rule_params),
+                *([] if one_locality else self.locality_params),
+                limit,
+            ],
+        )
 
     def first_of(self, groups: list[Group], limit: int) -> tuple[str, list[Any]]:
         """The ids of the first ``limit`` passing rows of these groups, in candidate order."""
@@ -308,11 +338,11 @@ def refusal_candidates(
             prefix = [row["runner_id"] for row in rows if row["flags"] < 0]
             one_each = [row["runner_id"] for row in rows if row["flags"] == 0]
         else:
-            counts, sizes, one_each = surveyed
+            counts, sizes, one_each, first_ids = surveyed
             found = best.result() if best is not None else None
-            if found is None and sizes:
-                found = view.query(*sql.best(PREFIX))
-            prefix = [row["runner_id"] for row in found or []] if sizes else []
+            if found is not None:
+                first_ids = [row["runner_id"] for row in found]
+            prefix = first_ids if sizes else []
     members = _members(view, sql, prefix + one_each, requirements, now, heartbeat_timeout)
     if members is None:
         return None
@@ -356,21 +386,49 @@ def refusal_candidates(
 
 def _alike(
     view: RunnerSnapshotsView, sql: _Sql
-) -> tuple[PoolCounts, dict[Group, int], list[str]] | None:
-    """The prefilter's counts, and the one group of the runners that pass it (none when
-    none pass) with its size and one runner, from :meth:`_Sql.alike_survey`; ``None``
-    when the passing runners are not all alike."""
-    rows = view.query(*sql.alike_survey(view.byte_collation))
-    counts = pool_counts(rows, sql.rules)
-    passing = [row for row in rows if row["flags"] == 0]
-    if not passing:
-        return counts, {}, []
-    (row,) = passing
-    columns = (*ALIKE, "cb")
-    if any(row[f"lo_{column}"] != row[f"hi_{column}"] for column in columns):
-        return None
+) -> tuple[PoolCounts, dict[Group, int], list[str], list[str]] | None:
+    """The prefilter's counts, the one group of the runners that pass it (none when none
+    pass) with its size and one runner, from :meth:`_Sql.alike_survey`, and the ids of
+    the first :data:`PREFIX` passing runners in candidate order (none where they are
+    read beside: ``parallel_reads``); ``None`` when the passing runners are not all
+    alike.
+
+    Where indexes answer it (SQLite), in one snapshot: when the first and the last
+    registered runners of the pool are alike (``alike_in_pool``), the survey compares
+    the capacity bits only (the texts would cost it most of its time); the first
+    passing runners are read without the prefilter's test when every runner passes it,
+    and without the locality term when all share their artifact digests
+    (``one_locality_in_pool``)."""
+    with view.reading() as query:
+        known = view.alike_in_pool(sql.pool_name, query)
+        rows = query(*sql.alike_survey(view.byte_collation, texts=known is None))
+        counts = pool_counts(rows, sql.rules)
+        passing = [row for row in rows if row["flags"] == 0]
+        if not passing:
+            return counts, {}, [], []
+        (row,) = passing
+        if known is not None:
+            row = {
+                **row,
+                **{
+                    f"{end}_{column}": value
+                    for column, value in zip(ALIKE, known, strict=True)
+                    for end in ("lo", "hi")
+                },
+            }
+        columns = (*ALIKE, "cb")
+        if any(row[f"lo_{column}"] != row[f"hi_{column}"] for column in columns):
+            return None
+        first: list[str] = []
+        if not view.parallel_reads:
+            statement = sql.best(
+                PREFIX,
+                everyone_passes=row["n"] == counts.pool_runners,
+                one_locality=view.one_locality_in_pool(sql.pool_name, query),
+            )
+            first = [found["runner_id"] for found in query(*statement)]
     group = tuple(row[f"lo_{column}"] for column in columns)
-    return counts, {group: row["n"]}, [row["runner_id"]]
+    return counts, {group: row["n"]}, [row["runner_id"]], first
 
 
 def _rank(member: Member) -> RankKey:

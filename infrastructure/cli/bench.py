@@ -127,6 +127,18 @@ def bench(
             ),
         ),
     ] = None,
+    http_connections: Annotated[
+        int | None,
+        typer.Option(
+            "--http-connections",
+            min=1,
+            max=256,
+            help=(
+                "Keep-alive connections per serve process in the http section: 16, or 8 "
+                "with --quick (1 to 256). Fewer: shorter waits, smaller batches."
+            ),
+        ),
+    ] = None,
     cells: Annotated[
         int | None,
         typer.Option(
@@ -165,6 +177,7 @@ def bench(
     settings = BenchSettings.make(
         quick=quick, workers=workers, runners=runners, seed=seed, seconds=seconds,
         sections=sections, chain=chain == "on", callers=callers,
+        http_connections=http_connections,
     )  # fmt: skip
     err = Console(stderr=True, highlight=False)
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from fastapi import APIRouter
+from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
@@ -126,6 +127,12 @@ async def schedule(sandbox_id: SandboxId, body: ScheduleBody, app: Scheduler) ->
         ScheduleResult(assignment=AssignmentOut.of(assignment), created=created),
         201 if created else 200,
     )
+
+
+def schedule_route() -> APIRoute:
+    """The FastAPI route of :func:`schedule` (for :mod:`.schedule_route`)."""
+    (route,) = [r for r in router.routes if isinstance(r, APIRoute) and r.endpoint is schedule]
+    return route
 
 
 @router.get("/{sandbox_id}/assignment", response_model=AssignmentOut, summary="One assignment")

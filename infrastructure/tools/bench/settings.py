@@ -84,6 +84,7 @@ class BenchSettings:
         sections: tuple[str, ...] = SECTIONS,
         chain: bool = True,
         callers: int | None = None,
+        http_connections: int | None = None,
     ) -> BenchSettings:
         if quick:
             base = cls(
@@ -116,6 +117,8 @@ class BenchSettings:
             )
         if callers is not None:
             base = replace(base, callers=callers)
+        if http_connections is not None:
+            base = replace(base, http_connections=http_connections)
         if seconds is not None:
             base = replace(base, raw_seconds=seconds, placement_seconds=seconds)
         return base
