@@ -37,7 +37,7 @@ BENCH_HELP = (
     "rate (1.5 x raw one-aggregate, needs the raw section), each timed from its arrival; "
     "row_lock, the state-based peer (runner rows, one "
     "SERIALIZABLE transaction per placement); http, the placement run through W serve "
-    "processes, each from 16 keep-alive connections (8 with --quick), and a new sandbox "
+    "processes, each from 10 keep-alive connections (8 with --quick), and a new sandbox "
     "(create, then schedule) over HTTP; selection, select_runner, create_sandbox and a new "
     "sandbox end to end (create, then schedule) over 100, 1,000 and 10,000 runners; "
     "history, loading a runner "
@@ -134,7 +134,7 @@ def bench(
             min=1,
             max=256,
             help=(
-                "Keep-alive connections per serve process in the http section: 16, or 8 "
+                "Keep-alive connections per serve process in the http section: 10, or 8 "
                 "with --quick (1 to 256). Fewer: shorter waits, smaller batches."
             ),
         ),

@@ -49,9 +49,11 @@ class BenchSettings:
     # for one while the scheduler keeps up; those that do are counted as late starts)
     open_loop_callers: int = 64
     # keep-alive connections per serve process of the http section (its client process
-    # sends on each as the batched run's callers call: a closed loop); more than the
-    # batched callers, since a request spends longer outside the batcher over HTTP
-    http_connections: int = 16
+    # sends on each as the batched run's callers call: a closed loop): as many as the
+    # batched run's callers per worker, so that both run at one concurrency (with the
+    # direct schedule route a request spends little time outside the batcher: 10 gave
+    # the rate of 16 and a lower p99 in four alternated pairs, docs/performance-log.md)
+    http_connections: int = 10
     selection_sizes: tuple[int, ...] = (100, 1_000, 10_000)
     select_calls: tuple[int, ...] = (50, 20, 5)
     # medians of create_sandbox (and of a new sandbox end to end) per pool size: medians
