@@ -181,9 +181,9 @@ class SchedulerApplication(StoredApplication, QueryMethods):
             locks.reset()
 
     def close(self) -> None:
-        batcher = getattr(self, "batcher", None)
-        if batcher is not None:
-            batcher.close()
+        for batcher in (getattr(self, "batcher", None), getattr(self, "creations", None)):
+            if batcher is not None:
+                batcher.close()  # its leader thread (for coroutines)
         locks = getattr(self, "runner_locks", None)
         if locks is not None:
             locks.close()
