@@ -26,7 +26,7 @@ caller's actor (:mod:`..acting`), not the leader's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
@@ -36,6 +36,7 @@ from uuid import UUID
 from eventsourcing.persistence import IntegrityError
 
 from secondbox_scheduler.domain.actors import ActorRecord
+from secondbox_scheduler.domain.command_inputs import as_requirements, require_timeout
 from secondbox_scheduler.domain.errors import (
     AlreadyExistsError,
     PlacementError,
@@ -46,7 +47,7 @@ from secondbox_scheduler.domain.ids import sandbox_uuid
 from secondbox_scheduler.domain.placement.evidence import Unlisted
 from secondbox_scheduler.domain.refusals import OPERATION_CREATE, Refusal
 from secondbox_scheduler.domain.sandbox import Sandbox
-from secondbox_scheduler.domain.values import Requirements, RunnerSnapshot
+from secondbox_scheduler.domain.values import Requirements, RunnerSnapshot, require_text
 from secondbox_scheduler.infrastructure.acting import stamp
 
 # A creation's answer: the home runner's id, or the typed error its call raises.
@@ -63,6 +64,24 @@ class CreateRequest:
     requirements: Requirements
     heartbeat_timeout: timedelta
     actor: ActorRecord | None = None
+
+    @classmethod
+    def checked(
+        cls,
+        sandbox_id: str,
+        workspace_id: str,
+        profile_revision_id: str,
+        requirements: Requirements | Mapping[str, Any],
+        heartbeat_timeout: timedelta,
+        actor: ActorRecord | None,
+    ) -> CreateRequest:
+        """The call's arguments checked (``InvalidRequestError`` naming the field)."""
+        require_text("sandbox_id", sandbox_id)
+        require_text("workspace_id", workspace_id)
+        require_text("profile_revision_id", profile_revision_id)
+        wanted = as_requirements(requirements)
+        require_timeout(heartbeat_timeout)
+        return cls(sandbox_id, workspace_id, profile_revision_id, wanted, heartbeat_timeout, actor)
 
 
 class HomeSearch(Protocol):

@@ -83,18 +83,28 @@ def _assignment(app: Served, sandbox_id: str, generation: int | None) -> Respons
     summary="Create a sandbox",
     responses={200: {"model": SandboxHome, "description": "It existed with these fields."}},
 )
-def create_sandbox(body: SandboxCreation, app: Scheduler) -> Response:
+async def create_sandbox(body: SandboxCreation, app: Scheduler) -> Response:
     """Choose and record the sandbox's home runner. The same request again answers the
     recorded home (200); other fields for an existing id are 409 ``already_exists``; no
     compatible runner is 409 ``no_compatible_runner`` or ``egress_context_unavailable``."""
-    existed = _exists(app, body.sandbox_id)
-    home = app.create_sandbox(
-        sandbox_id=body.sandbox_id,
-        workspace_id=body.workspace_id,
-        profile_revision_id=body.profile_revision_id,
-        requirements=body.requirements,
-        heartbeat_timeout=timedelta(seconds=body.heartbeat_timeout_seconds),
-    )
+    existed = await run_in_threadpool(_exists, app, body.sandbox_id)
+    if isinstance(app, SchedulerApplication):  # met in the batcher without a thread each
+        home = await app.create_sandbox_async(
+            sandbox_id=body.sandbox_id,
+            workspace_id=body.workspace_id,
+            profile_revision_id=body.profile_revision_id,
+            requirements=body.requirements,
+            heartbeat_timeout=timedelta(seconds=body.heartbeat_timeout_seconds),
+        )
+    else:  # a cell router's call: on the thread pool
+        home = await run_in_threadpool(
+            app.create_sandbox,
+            sandbox_id=body.sandbox_id,
+            workspace_id=body.workspace_id,
+            profile_revision_id=body.profile_revision_id,
+            requirements=body.requirements,
+            heartbeat_timeout=timedelta(seconds=body.heartbeat_timeout_seconds),
+        )
     return respond(
         SandboxHome(sandbox_id=body.sandbox_id, home_runner_id=home), 200 if existed else 201
     )
