@@ -346,9 +346,10 @@ class SchedulerApplication(StoredApplication, QueryMethods):
     ) -> str:
         """Choose and record the sandbox's home runner; returns its id.
 
-        Repeating the call with the same arguments returns the recorded home runner.
-        Concurrent calls of one process are decided at one catch-up of the read models
-        and committed together (:mod:`.creating`), unless batching is off.
+        Repeating the call with the same arguments returns the recorded home runner (a
+        :class:`~.creating.batch.RecordedHome`: the call created nothing). Concurrent
+        calls of one process are decided at one catch-up of the read models and
+        committed together (:mod:`.creating`), unless batching is off.
         """
         request = CreateRequest.checked(
             sandbox_id, workspace_id, profile_revision_id, requirements, heartbeat_timeout,

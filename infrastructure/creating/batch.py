@@ -50,7 +50,17 @@ from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.domain.values import Requirements, RunnerSnapshot, require_text
 from secondbox_scheduler.infrastructure.acting import stamp
 
-# A creation's answer: the home runner's id, or the typed error its call raises.
+
+class RecordedHome(str):
+    """The home of a sandbox found recorded with the call's fields: the answer of a
+    creation that created nothing (a repeat, or a rival's creation first), equal to the
+    home runner's id; a new sandbox's answer is a plain ``str``."""
+
+    __slots__ = ()
+
+
+# A creation's answer: the home runner's id (a RecordedHome for a sandbox found
+# recorded), or the typed error its call raises.
 Created = str | SchedulerError
 
 
@@ -130,7 +140,7 @@ def answer_existing(existing: Sandbox, request: CreateRequest) -> Created:
             f"sandbox {request.sandbox_id!r} already exists with another workspace or "
             "profile revision"
         )
-    return existing.home_runner_id
+    return RecordedHome(existing.home_runner_id)
 
 
 class CreateBatch:

@@ -17,10 +17,11 @@ from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-from secondbox_scheduler.domain.errors import AssignmentNotFoundError, SandboxNotFoundError
+from secondbox_scheduler.domain.errors import AssignmentNotFoundError
 from secondbox_scheduler.domain.reconcile import ReconcileDecision
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit.queries import explain, timeline
+from secondbox_scheduler.infrastructure.creating.batch import RecordedHome
 from secondbox_scheduler.infrastructure.http.cells import assignment_list
 from secondbox_scheduler.infrastructure.http.common import (
     GenerationPath,
@@ -59,14 +60,6 @@ router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"], responses=ERROR_R
 GENERATION = "/{sandbox_id}/generations/{generation}"
 
 
-def _exists(app: Served, sandbox_id: str) -> bool:
-    try:
-        app.sandbox_home(sandbox_id)
-    except SandboxNotFoundError:
-        return False
-    return True
-
-
 def _assignment(app: Served, sandbox_id: str, generation: int | None) -> Response:
     app.sandbox_home(sandbox_id)  # an unknown sandbox is sandbox_not_found
     assignment = app.get_assignment(sandbox_id, generation)
@@ -87,7 +80,6 @@ async def create_sandbox(body: SandboxCreation, app: Scheduler) -> Response:
     """Choose and record the sandbox's home runner. The same request again answers the
     recorded home (200); other fields for an existing id are 409 ``already_exists``; no
     compatible runner is 409 ``no_compatible_runner`` or ``egress_context_unavailable``."""
-    existed = await run_in_threadpool(_exists, app, body.sandbox_id)
     if isinstance(app, SchedulerApplication):  # met in the batcher without a thread each
         home = await app.create_sandbox_async(
             sandbox_id=body.sandbox_id,
@@ -105,8 +97,9 @@ async def create_sandbox(body: SandboxCreation, app: Scheduler) -> Response:
             requirements=body.requirements,
             heartbeat_timeout=timedelta(seconds=body.heartbeat_timeout_seconds),
         )
+    found = isinstance(home, RecordedHome)  # the creation found it recorded: created nothing
     return respond(
-        SandboxHome(sandbox_id=body.sandbox_id, home_runner_id=home), 200 if existed else 201
+        SandboxHome(sandbox_id=body.sandbox_id, home_runner_id=home), 200 if found else 201
     )
 
 
