@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -28,12 +29,10 @@ from eventsourcing.utils import EnvType, strtobool
 from secondbox_scheduler.domain.command_inputs import (
     as_capacity,
     as_collection,
-    as_requirements,
     check_heartbeat_time,
     check_request_times,
     require_fence,
     require_generation,
-    require_timeout,
     seconds_text,
 )
 from secondbox_scheduler.domain.errors import (
@@ -69,12 +68,7 @@ from secondbox_scheduler.infrastructure.acting import current_actor
 from secondbox_scheduler.infrastructure.counters import SchedulerMetrics
 from secondbox_scheduler.infrastructure.creating.batch import CreateBatch, Created, CreateRequest
 from secondbox_scheduler.infrastructure.creating.batcher import create_batcher_from_settings
-from secondbox_scheduler.infrastructure.metrics import (
-    OUTCOME_ERROR,
-    OUTCOME_OK,
-    OUTCOME_REFUSED,
-    measured,
-)
+from secondbox_scheduler.infrastructure.metrics import measured, timed_command
 from secondbox_scheduler.infrastructure.placing.batch import PlacementBatch
 from secondbox_scheduler.infrastructure.placing.batcher import (
     DEFAULT_BATCH_SIZE,
@@ -181,9 +175,9 @@ class SchedulerApplication(StoredApplication, QueryMethods):
             locks.reset()
 
     def close(self) -> None:
-        batcher = getattr(self, "batcher", None)
-        if batcher is not None:
-            batcher.close()
+        for batcher in (getattr(self, "batcher", None), getattr(self, "creations", None)):
+            if batcher is not None:
+                batcher.close()  # its leader thread (for coroutines)
         locks = getattr(self, "runner_locks", None)
         if locks is not None:
             locks.close()
@@ -352,18 +346,13 @@ class SchedulerApplication(StoredApplication, QueryMethods):
     ) -> str:
         """Choose and record the sandbox's home runner; returns its id.
 
-        Repeating the call with the same arguments returns the recorded home runner.
-        Concurrent calls of one process are decided at one catch-up of the read models
-        and committed together (:mod:`.creating`), unless batching is off.
+        Repeating the call with the same arguments returns the recorded home runner (a
+        :class:`~.creating.batch.RecordedHome`: the call created nothing). Concurrent
+        calls of one process are decided at one catch-up of the read models and
+        committed together (:mod:`.creating`), unless batching is off.
         """
-        require_text("sandbox_id", sandbox_id)
-        require_text("workspace_id", workspace_id)
-        require_text("profile_revision_id", profile_revision_id)
-        wanted = as_requirements(requirements)
-        require_timeout(heartbeat_timeout)
-
-        request = CreateRequest(
-            sandbox_id, workspace_id, profile_revision_id, wanted, heartbeat_timeout,
+        request = CreateRequest.checked(
+            sandbox_id, workspace_id, profile_revision_id, requirements, heartbeat_timeout,
             current_actor(),
         )  # fmt: skip
         if self.creations is not None:
@@ -372,6 +361,34 @@ class SchedulerApplication(StoredApplication, QueryMethods):
         if isinstance(outcome, SchedulerError):
             raise outcome
         return outcome
+
+    async def create_sandbox_async(
+        self,
+        *,
+        sandbox_id: str,
+        workspace_id: str,
+        profile_revision_id: str,
+        requirements: Requirements | Mapping[str, Any],
+        heartbeat_timeout: timedelta,
+    ) -> str:
+        """:meth:`create_sandbox` for a coroutine (the HTTP service): the same checks,
+        batches and answers, awaited on the caller's event loop rather than blocking a
+        thread (:meth:`.creating.batcher.CreateBatcher.create_async`). With batching
+        off, the call runs on the loop's default executor, in the caller's context."""
+        if self.creations is None:
+            call = functools.partial(
+                self.create_sandbox, sandbox_id=sandbox_id, workspace_id=workspace_id,
+                profile_revision_id=profile_revision_id, requirements=requirements,
+                heartbeat_timeout=heartbeat_timeout,
+            )  # fmt: skip
+            context = contextvars.copy_context()
+            return await asyncio.get_running_loop().run_in_executor(None, context.run, call)
+        with timed_command(self.metrics, "create_sandbox"):
+            request = CreateRequest.checked(
+                sandbox_id, workspace_id, profile_revision_id, requirements, heartbeat_timeout,
+                current_actor(),
+            )  # fmt: skip
+            return await self.creations.create_async(request)
 
     def _create(self, requests: Sequence[CreateRequest]) -> list[Created]:
         return CreateBatch(self).run(requests)
@@ -401,18 +418,9 @@ class SchedulerApplication(StoredApplication, QueryMethods):
             loop = asyncio.get_running_loop()
             context = contextvars.copy_context()
             return await loop.run_in_executor(None, context.run, self.schedule, request)
-        started = time.perf_counter()
-        outcome = OUTCOME_ERROR
-        try:
+        with timed_command(self.metrics, "schedule"):
             self._check_request(request)
-            result = await self.batcher.schedule_async(request)
-            outcome = OUTCOME_OK
-            return result
-        except SchedulerError:
-            outcome = OUTCOME_REFUSED
-            raise
-        finally:
-            self.metrics.command("schedule", outcome, time.perf_counter() - started)
+            return await self.batcher.schedule_async(request)
 
     def schedule_many(
         self, requests: Sequence[ScheduleRequest]

@@ -34,7 +34,8 @@ Metrics (all prefixed ``secondbox_scheduler_``):
 ``store_up``                                       1 when the scrape could read the store
 =================================================  ==========================================
 
-:func:`measured` is the decorator that times a command of the application;
+:func:`measured` is the decorator that times a command of the application (and
+:func:`timed_command` the same around a block: an awaited command);
 :func:`refusal_reasons` counts a refused placement's reasons.
 """
 
@@ -43,7 +44,8 @@ from __future__ import annotations
 import collections
 import functools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 from secondbox_scheduler.domain.errors import PlacementError, SchedulerError
@@ -105,6 +107,21 @@ def measured(
         return timed
 
     return decorate
+
+
+@contextmanager
+def timed_command(metrics: CommandRecorder, command: str) -> Iterator[None]:
+    """:func:`measured` around a block (a coroutine's command, awaited within it)."""
+    started = time.perf_counter()
+    outcome = OUTCOME_ERROR
+    try:
+        yield
+        outcome = OUTCOME_OK
+    except SchedulerError:
+        outcome = OUTCOME_REFUSED
+        raise
+    finally:
+        metrics.command(command, outcome, time.perf_counter() - started)
 
 
 def refusal_reasons(error: PlacementError) -> collections.Counter[str]:

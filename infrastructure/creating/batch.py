@@ -26,7 +26,7 @@ caller's actor (:mod:`..acting`), not the leader's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
@@ -36,6 +36,7 @@ from uuid import UUID
 from eventsourcing.persistence import IntegrityError
 
 from secondbox_scheduler.domain.actors import ActorRecord
+from secondbox_scheduler.domain.command_inputs import as_requirements, require_timeout
 from secondbox_scheduler.domain.errors import (
     AlreadyExistsError,
     PlacementError,
@@ -46,10 +47,20 @@ from secondbox_scheduler.domain.ids import sandbox_uuid
 from secondbox_scheduler.domain.placement.evidence import Unlisted
 from secondbox_scheduler.domain.refusals import OPERATION_CREATE, Refusal
 from secondbox_scheduler.domain.sandbox import Sandbox
-from secondbox_scheduler.domain.values import Requirements, RunnerSnapshot
+from secondbox_scheduler.domain.values import Requirements, RunnerSnapshot, require_text
 from secondbox_scheduler.infrastructure.acting import stamp
 
-# A creation's answer: the home runner's id, or the typed error its call raises.
+
+class RecordedHome(str):
+    """The home of a sandbox found recorded with the call's fields: the answer of a
+    creation that created nothing (a repeat, or a rival's creation first), equal to the
+    home runner's id; a new sandbox's answer is a plain ``str``."""
+
+    __slots__ = ()
+
+
+# A creation's answer: the home runner's id (a RecordedHome for a sandbox found
+# recorded), or the typed error its call raises.
 Created = str | SchedulerError
 
 
@@ -63,6 +74,24 @@ class CreateRequest:
     requirements: Requirements
     heartbeat_timeout: timedelta
     actor: ActorRecord | None = None
+
+    @classmethod
+    def checked(
+        cls,
+        sandbox_id: str,
+        workspace_id: str,
+        profile_revision_id: str,
+        requirements: Requirements | Mapping[str, Any],
+        heartbeat_timeout: timedelta,
+        actor: ActorRecord | None,
+    ) -> CreateRequest:
+        """The call's arguments checked (``InvalidRequestError`` naming the field)."""
+        require_text("sandbox_id", sandbox_id)
+        require_text("workspace_id", workspace_id)
+        require_text("profile_revision_id", profile_revision_id)
+        wanted = as_requirements(requirements)
+        require_timeout(heartbeat_timeout)
+        return cls(sandbox_id, workspace_id, profile_revision_id, wanted, heartbeat_timeout, actor)
 
 
 class HomeSearch(Protocol):
@@ -111,7 +140,7 @@ def answer_existing(existing: Sandbox, request: CreateRequest) -> Created:
             f"sandbox {request.sandbox_id!r} already exists with another workspace or "
             "profile revision"
         )
-    return existing.home_runner_id
+    return RecordedHome(existing.home_runner_id)
 
 
 class CreateBatch:

@@ -15,17 +15,20 @@ execution's answer to the repeat). A caller interrupted while it waits or leads 
 the queue and passes the lead on. Settings: those of the placement batcher
 (``SECONDBOX_BATCHING``, ``SECONDBOX_BATCH_SIZE``): with batching off, each call is a
 batch of its own.
+
+The queue is the placement batcher's (:mod:`..batching.leader_queue`), with this
+batcher's rules: what a batch takes (one call per sandbox id) and how a leader regroups
+(the constants below).
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 
 from eventsourcing.utils import strtobool
 
+from secondbox_scheduler.infrastructure.batching.leader_queue import LeaderQueue, Slot
 from secondbox_scheduler.infrastructure.creating.batch import Created, CreateRequest
 from secondbox_scheduler.infrastructure.settings import BATCH_SIZE, BATCHING, batch_setting
 
@@ -50,75 +53,38 @@ REGROUP_CAP = 0.050
 RunCreations = Callable[[Sequence[CreateRequest]], Sequence[Created]]
 
 
-class _Slot:
-    """One queued call: its creation, then its answer or the lead."""
-
-    __slots__ = ("_wake", "done", "lead", "outcome", "request")
-
-    def __init__(self, request: CreateRequest) -> None:
-        self.request = request
-        self.outcome: Created | BaseException | None = None
-        self.done = False
-        self.lead = False
-        self._wake = threading.Lock()  # released once: with the answer, or the lead
-        self._wake.acquire()
-
-    def wake(self) -> None:
-        self._wake.release()
-
-    def wait(self) -> None:
-        self._wake.acquire()
-
-
-class CreateBatcher:
+class CreateBatcher(LeaderQueue[CreateRequest, str]):
     """Runs concurrent creations of one process in batches, one batch at a time."""
+
+    leader_name = "secondbox-create-leader"
 
     def __init__(self, run: RunCreations, *, size: int = DEFAULT_CREATE_BATCH_SIZE) -> None:
         if size < 1:
             raise ValueError("the batch size must be at least 1")
+        super().__init__(size)
         self._run = run
-        self.size = size
-        self._lock = threading.Lock()
-        self._arrived = threading.Condition(self._lock)
-        self._queue: deque[_Slot] = deque()
-        self._busy = False
         self._last_sizes: deque[int] = deque(maxlen=REGROUP_MEMORY)  # the latest batches'
         self._last_seconds = 0.0  # how long the latest batch took to decide and commit
-
-        self._wanted = 0  # the calls a regrouping leader waits for (0: none waits)
-        self._last_arrival = 0.0
         self.batch_sizes: Counter[int] = Counter()  # batches run, by size
 
     def create(self, request: CreateRequest) -> str:
         """The answer to ``request`` (its home runner's id), or its error raised."""
-        slot = _Slot(request)
-        with self._lock:
-            self._queue.append(slot)
-            self._last_arrival = time.monotonic()
-            if not self._busy:
-                self._busy = slot.lead = True
-            elif 0 < self._wanted <= len(self._queue):
-                self._arrived.notify()  # the regrouping leader has all it waits for
-        try:
-            if not slot.lead:
-                slot.wait()
-            if not slot.done:
-                self._lead()  # the first batch taken holds this caller's own creation
-        except BaseException:  # interrupted (not by the batch: its errors are answers)
-            self._abandon(slot)
-            raise
-        assert slot.done
-        outcome = slot.outcome
-        if isinstance(outcome, BaseException):
-            raise outcome
-        assert outcome is not None
-        return outcome
+        return self._call(Slot(request, request.actor))
 
-    def _take(self) -> list[_Slot]:
+    async def create_async(self, request: CreateRequest) -> str:
+        """:meth:`create` for a coroutine: queued the same way, awaited on its loop."""
+        return await self._call_async(Slot(request, request.actor))
+
+    def _run_batch(
+        self, batch: Sequence[Slot[CreateRequest, str]]
+    ) -> Sequence[Created | BaseException]:
+        return self._run([s.request for s in batch])
+
+    def _take(self) -> list[Slot[CreateRequest, str]]:
         """(Holding ``self._lock``.) The queued calls in order, up to the batch size, but
         for a second call of a sandbox id already taken (it stays first in line)."""
-        batch: list[_Slot] = []
-        kept: list[_Slot] = []
+        batch: list[Slot[CreateRequest, str]] = []
+        kept: list[Slot[CreateRequest, str]] = []
         taken: set[str] = set()
         for slot in self._queue:
             sandbox_id = slot.request.sandbox_id
@@ -136,59 +102,15 @@ class CreateBatcher:
         wanted = min(self.size, max(self._last_sizes, default=0))
         if wanted < 2:
             return
-        start = time.monotonic()
-        deadline = start + max(REGROUP_LIMIT, self._last_seconds * REGROUP_SHARE)
-        self._wanted = wanted
-        try:
-            while len(self._queue) < wanted:
-                gap = max(REGROUP_GAP, self._last_seconds * REGROUP_SHARE)
-                timeout = min(deadline, max(self._last_arrival, start) + gap)
-                timeout -= time.monotonic()
-                if timeout <= 0:
-                    break  # the longest wait is over, or nobody came for the gap
-                self._arrived.wait(timeout)
-        finally:
-            self._wanted = 0
+        gap = max(REGROUP_GAP, self._last_seconds * REGROUP_SHARE)
+        self._wait_for(wanted, gap, gap, max(REGROUP_LIMIT, self._last_seconds * REGROUP_SHARE))
 
-    def _lead(self) -> None:
-        with self._lock:
-            self._regroup()
-            batch = self._take()
-            self._last_sizes.append(len(batch))
-            self.batch_sizes[len(batch)] += 1
-        started = time.monotonic()
-        try:
-            outcomes: Sequence[Created | BaseException] = self._run([s.request for s in batch])
-            if len(outcomes) != len(batch):
-                raise RuntimeError(f"{len(outcomes)} answers to a batch of {len(batch)}")
-        except BaseException as error:  # the store failed: every caller of the batch hears it
-            outcomes = [error] * len(batch)
-        for slot, outcome in zip(batch, outcomes, strict=True):
-            slot.outcome, slot.done = outcome, True
-        with self._lock:
-            self._last_seconds = min(REGROUP_CAP / REGROUP_SHARE, time.monotonic() - started)
-            self._pass_lead()
-        for slot in batch:
-            if not slot.lead:  # the leader's own slot waits for nothing
-                slot.wake()
+    def _took(self, batch: Sequence[Slot[CreateRequest, str]]) -> None:
+        self._last_sizes.append(len(batch))
+        self.batch_sizes[len(batch)] += 1
 
-    def _abandon(self, slot: _Slot) -> None:
-        """A caller interrupted while queued or leading: its creation leaves the queue,
-        and if it held the lead, the lead passes on."""
-        with self._lock:
-            if slot in self._queue:
-                self._queue.remove(slot)
-            if slot.lead and not slot.done:
-                self._pass_lead()
-
-    def _pass_lead(self) -> None:
-        """(Holding ``self._lock``.) The first caller queued leads next; none: idle."""
-        if self._queue:
-            successor = self._queue[0]
-            successor.lead = True
-            successor.wake()
-        else:
-            self._busy = False
+    def _ran(self, seconds: float) -> None:
+        self._last_seconds = min(REGROUP_CAP / REGROUP_SHARE, seconds)
 
 
 def create_batcher_from_settings(env: Mapping[str, str], run: RunCreations) -> CreateBatcher | None:

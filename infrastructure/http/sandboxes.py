@@ -17,10 +17,11 @@ from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-from secondbox_scheduler.domain.errors import AssignmentNotFoundError, SandboxNotFoundError
+from secondbox_scheduler.domain.errors import AssignmentNotFoundError
 from secondbox_scheduler.domain.reconcile import ReconcileDecision
 from secondbox_scheduler.infrastructure.application import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit.queries import explain, timeline
+from secondbox_scheduler.infrastructure.creating.batch import RecordedHome
 from secondbox_scheduler.infrastructure.http.cells import assignment_list
 from secondbox_scheduler.infrastructure.http.common import (
     GenerationPath,
@@ -59,14 +60,6 @@ router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"], responses=ERROR_R
 GENERATION = "/{sandbox_id}/generations/{generation}"
 
 
-def _exists(app: Served, sandbox_id: str) -> bool:
-    try:
-        app.sandbox_home(sandbox_id)
-    except SandboxNotFoundError:
-        return False
-    return True
-
-
 def _assignment(app: Served, sandbox_id: str, generation: int | None) -> Response:
     app.sandbox_home(sandbox_id)  # an unknown sandbox is sandbox_not_found
     assignment = app.get_assignment(sandbox_id, generation)
@@ -83,20 +76,30 @@ def _assignment(app: Served, sandbox_id: str, generation: int | None) -> Respons
     summary="Create a sandbox",
     responses={200: {"model": SandboxHome, "description": "It existed with these fields."}},
 )
-def create_sandbox(body: SandboxCreation, app: Scheduler) -> Response:
+async def create_sandbox(body: SandboxCreation, app: Scheduler) -> Response:
     """Choose and record the sandbox's home runner. The same request again answers the
     recorded home (200); other fields for an existing id are 409 ``already_exists``; no
     compatible runner is 409 ``no_compatible_runner`` or ``egress_context_unavailable``."""
-    existed = _exists(app, body.sandbox_id)
-    home = app.create_sandbox(
-        sandbox_id=body.sandbox_id,
-        workspace_id=body.workspace_id,
-        profile_revision_id=body.profile_revision_id,
-        requirements=body.requirements,
-        heartbeat_timeout=timedelta(seconds=body.heartbeat_timeout_seconds),
-    )
+    if isinstance(app, SchedulerApplication):  # met in the batcher without a thread each
+        home = await app.create_sandbox_async(
+            sandbox_id=body.sandbox_id,
+            workspace_id=body.workspace_id,
+            profile_revision_id=body.profile_revision_id,
+            requirements=body.requirements,
+            heartbeat_timeout=timedelta(seconds=body.heartbeat_timeout_seconds),
+        )
+    else:  # a cell router's call: on the thread pool
+        home = await run_in_threadpool(
+            app.create_sandbox,
+            sandbox_id=body.sandbox_id,
+            workspace_id=body.workspace_id,
+            profile_revision_id=body.profile_revision_id,
+            requirements=body.requirements,
+            heartbeat_timeout=timedelta(seconds=body.heartbeat_timeout_seconds),
+        )
+    found = isinstance(home, RecordedHome)  # the creation found it recorded: created nothing
     return respond(
-        SandboxHome(sandbox_id=body.sandbox_id, home_runner_id=home), 200 if existed else 201
+        SandboxHome(sandbox_id=body.sandbox_id, home_runner_id=home), 200 if found else 201
     )
 
 

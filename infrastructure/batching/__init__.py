@@ -1,0 +1,1 @@
+"""What the group-commit batchers share: the leader/follower queue (``leader_queue``)."""
