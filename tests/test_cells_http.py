@@ -110,6 +110,8 @@ def test_a_stopped_cell_answers_503_naming_it_while_the_other_cell_places(
     for runner_id, pool in (("ra", POOL_A), ("rb", POOL_B)):
         register(router, runner_id, at=clock(), pool_name=pool)  # type: ignore[arg-type]
     assert client.post("/v1/sandboxes", json=sandbox_body("sb", POOL_B)).status_code == 201
+    # the same creation again through the router: found recorded in its cell, 200
+    assert client.post("/v1/sandboxes", json=sandbox_body("sb", POOL_B)).status_code == 200
     new_in_a = next(
         f"sa-{n}" for n in range(100) if router.directory_of(KIND_SANDBOX, f"sa-{n}") == "a"
     )
