@@ -1,4 +1,4 @@
-"""How often each aggregate is snapshotted (docs/spec.md, section 5; docs/architecture.md
+"""How often each aggregate is snapshotted (docs/spec.md, section 4; docs/architecture.md
 "Snapshots").
 
 A snapshot holds an aggregate's whole state; a Runner's holds one record per active
