@@ -91,6 +91,7 @@ from secondbox_scheduler.infrastructure.settings import (
     RUNNER_LOCKS,
     clock_tolerance,
 )
+from secondbox_scheduler.infrastructure.snapshot_intervals import snapshotting_interval
 from secondbox_scheduler.infrastructure.store.application_store import StoredApplication
 from secondbox_scheduler.infrastructure.store.startup import DEFAULT_CONNECT_TIMEOUT_SECONDS
 from secondbox_scheduler.infrastructure.store.write_timeouts import WriteTimeoutError
@@ -126,6 +127,12 @@ class SchedulerApplication(StoredApplication, QueryMethods):
         "AGGREGATE_CACHE_MAXSIZE": "10000",
         "POSTGRES_CONNECT_TIMEOUT": str(DEFAULT_CONNECT_TIMEOUT_SECONDS),
     }
+
+    def snapshotting_interval(self, aggregate: Any) -> int | None:
+        """A Runner's interval grows with its active reservations
+        (:mod:`.snapshot_intervals`); the others' are their class's."""
+        base = self.snapshotting_intervals.get(type(aggregate))
+        return None if base is None else snapshotting_interval(aggregate, base)
 
     def __init__(
         self,

@@ -347,6 +347,12 @@ class StoredApplication(Application[UUID]):
         except IntegrityError as error:
             log.warning("snapshots skipped (the events are saved): %s", error)
 
+    def snapshotting_interval(self, aggregate: Any) -> int | None:
+        """How many events apart ``aggregate`` is snapshotted as it is now: its class's
+        ``snapshotting_intervals`` entry (None: never); an application may vary it
+        with the aggregate's state."""
+        return self.snapshotting_intervals.get(type(aggregate))
+
     def _snapshots_due(self, processing_event: ProcessingEvent[UUID]) -> list[Any]:
         """The snapshots of the aggregates of ``processing_event`` whose new events pass
         a multiple of their snapshotting interval, taken from the aggregates in memory."""
@@ -357,7 +363,7 @@ class StoredApplication(Application[UUID]):
             versions.setdefault(event.originator_id, []).append(event.originator_version)
         taken = []
         for aggregate_id, aggregate in processing_event.aggregates.items():
-            interval = self.snapshotting_intervals.get(type(aggregate))
+            interval = self.snapshotting_interval(aggregate)
             written = versions.get(aggregate_id, ())
             if interval and any(version % interval == 0 for version in written):
                 assert aggregate.version == max(written)
