@@ -18,7 +18,13 @@ from hypothesis import strategies as st
 
 from secondbox_scheduler.domain import ids, sandbox, values
 from secondbox_scheduler.domain.fencing_tokens import FencingTokenUse, token_sha256
-from secondbox_scheduler.domain.ids import NAMESPACE, fencing_token_uuid
+from secondbox_scheduler.domain.ids import (
+    NAMESPACE,
+    fencing_token_uuid,
+    lease_uuid,
+    runner_uuid,
+    sandbox_uuid,
+)
 from secondbox_scheduler.domain.lease import materialization_snapshots
 from secondbox_scheduler.domain.values import (
     Capacity,
@@ -26,8 +32,10 @@ from secondbox_scheduler.domain.values import (
     requirements_record,
 )
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.store import encoding
+from secondbox_scheduler.infrastructure.store import encoding, fast_forward
 from secondbox_scheduler.infrastructure.store.encoding import EventMapper
+from secondbox_scheduler.projections.event_decoder import EventDecoder
+from tests.conftest import Clock, Store
 from tests.factories import create_sandbox, register, requirements, schedule_request
 
 AT = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)
@@ -230,3 +238,36 @@ def test_a_datetimes_text_is_what_the_transcoders_hook_writes() -> None:
             value, default=hook, option=option
         )
     assert len(encoding._datetimes) <= encoding._REMEMBERED_DATETIMES
+
+
+def _state(aggregate: Any) -> dict[str, Any]:
+    return {k: v for k, v in vars(aggregate).items() if k != "_pending_events"}
+
+
+def test_loads_decode_the_mappers_events(store: Store, clock: Clock) -> None:
+    """``load_many`` decodes through an EventDecoder of the mapper: the aggregates it
+    reads (snapshots and events, and events after cached versions) are those the
+    repository folds from the mapper's events."""
+    app, rival = store.open(), store.open()
+    for n in range(3):
+        register(app, f"r{n}", at=clock())
+    sandboxes = [f"s{n}" for n in range(12)]
+    for sandbox_id in sandboxes:
+        create_sandbox(app, sandbox_id)
+    app.schedule_many([schedule_request(s, clock()) for s in sandboxes[:6]])
+    runners = [runner_uuid(f"r{n}") for n in range(3)] + [lease_uuid(f"r{n}") for n in range(3)]
+    ids_ = [sandbox_uuid(s) for s in sandboxes] + runners
+    app.load_many(runners)  # cached here, then changed by another replica
+    rival.schedule_many([schedule_request(s, clock()) for s in sandboxes[6:]])
+    decode = getattr(app.mapper, fast_forward._DECODE, None)
+    assert isinstance(decode, EventDecoder)
+    assert decode.lean
+    for cache_new in (False, True):
+        loaded = app.load_many(ids_, cache_new=cache_new)
+        assert set(loaded) == set(ids_)
+        folded = store.open()  # nothing cached: the library's reads and mapper
+        for aggregate_id, aggregate in loaded.items():
+            expected: Any = folded.repository.get(aggregate_id)
+            assert type(aggregate) is type(expected)
+            assert list(_state(aggregate)) == list(_state(expected))
+            assert _state(aggregate) == _state(expected)
