@@ -129,7 +129,8 @@ class EventMapper(Mapper[UUID]):
             self._default = transcoder._encode_obj
             datetimes = transcoder.types.get(datetime)
             if (  # the library's own datetime transcoding: its text remembered
-                datetimes is not None
+                hasattr(orjson, "Fragment")  # not in the oldest orjson the extra allows
+                and datetimes is not None
                 and type(datetimes) is DatetimeAsISO
                 and datetimes.name == "datetime_iso"
             ):
