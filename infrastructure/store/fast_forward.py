@@ -9,7 +9,9 @@ batch. :func:`load_many` asks for the new events of every cached aggregate in on
 ``Repository.get`` does), and for the snapshots and later events of every uncached one
 in another, puts those in the cache as the repository does, and returns deep copies
 (commands never touch the cached instances). On the in-memory store it falls back to
-``repository.get`` for each.
+``repository.get`` for each. The stored events and snapshots read are decoded by an
+:class:`~secondbox_scheduler.projections.event_decoder.EventDecoder` of the application's
+mapper: the mapper's very events (or its errors), with orjson.
 """
 
 from __future__ import annotations
