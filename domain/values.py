@@ -237,8 +237,9 @@ class Requirements(Value):
 # the records of requirements values lately dumped, by the value's identity (the
 # value is kept with its record, so its id is not reused meanwhile): a schedule checks
 # a request's requirements against its sandbox's pinned record twice, and a batch's
-# requests often share one value; cleared when full
-_REMEMBERED_RECORDS = 1024
+# requests may share one value; cleared when full, and few: every value kept is
+# objects the garbage collector walks (``tests/test_batching.py`` bounds them)
+_REMEMBERED_RECORDS = 64
 _requirements_records: dict[int, tuple[Requirements, dict[str, Any]]] = {}
 
 
