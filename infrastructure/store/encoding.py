@@ -8,11 +8,11 @@ the scheduler's CPU (three events per placement, the fence's state about 3 KB).
 datetimes still through the transcoder's hook (``{"_type_": "datetime_iso", ...}``, as
 the library writes them; a UTC datetime's, its ISO text most of an event's encoding, is
 written once and remembered: :func:`_datetime_fragment`), so the stored state parses to
-the same JSON value and decodes to the same event; it may differ in spelling only (a small float: ``1e-06``
-for ``json``, ``1e-6`` for orjson). Anything else goes to the library's mapper, unchanged: other
-modules' events and snapshots, another transcoder, and any state orjson refuses (an
-integer beyond 64 bits, a key that is not a string, a type no transcoding knows:
-``json`` then encodes it or raises the library's own error).
+the same JSON value and decodes to the same event; it may differ in spelling only (a
+small float: ``1e-06`` for ``json``, ``1e-6`` for orjson). Anything else goes to the
+library's mapper, unchanged: other modules' events and snapshots, another transcoder,
+and any state orjson refuses (an integer beyond 64 bits, a key that is not a string, a
+type no transcoding knows: ``json`` then encodes it or raises the library's own error).
 
 What orjson would write differently and never raises on, a ``UUID``, ``date``,
 ``time``, ``Enum``, or a non-finite float inside a domain event's or aggregate's state,
