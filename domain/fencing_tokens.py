@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import hashlib
 from datetime import datetime
+from typing import Any
 
 from eventsourcing.domain import Aggregate
+from eventsourcing.utils import get_topic
 
 from secondbox_scheduler.domain.actors import ActedEvent
 from secondbox_scheduler.domain.ids import fencing_token_uuid
@@ -50,12 +52,42 @@ class FencingTokenUse(Aggregate):
     def use(
         cls, *, sandbox_id: str, generation: int, token_hex: str, at: datetime
     ) -> FencingTokenUse:
+        """The new stream of the token's use, its ``Used`` event pending: what
+        ``cls._create(cls.Used, id=..., timestamp=at, ...)`` builds (the same event, the
+        same aggregate, attribute for attribute), without its generic work (the id's
+        and the initialisers' parameters found by name, the topic resolved back to the
+        class): half the time, once per placement. ``tests/test_placement_shortcuts.py``
+        compares both."""
+        if cls is not FencingTokenUse:  # a subclass: the library's way
+            digest = token_sha256(token_hex)
+            return cls._create(
+                cls.Used,
+                id=fencing_token_uuid(sandbox_id, digest),
+                timestamp=at,
+                sandbox_id=sandbox_id,
+                generation=generation,
+                token_sha256=digest,
+            )
         digest = token_sha256(token_hex)
-        return cls._create(
-            cls.Used,
-            id=fencing_token_uuid(sandbox_id, digest),
+        stream = fencing_token_uuid(sandbox_id, digest)
+        event_class: Any = cls.Used  # a dataclass the library makes (unseen by mypy)
+        used = event_class(  # as _create constructs it
+            originator_id=stream,
+            originator_version=cls.INITIAL_VERSION,
             timestamp=at,
+            originator_topic=_TOPIC,
             sandbox_id=sandbox_id,
             generation=generation,
             token_sha256=digest,
         )
+        # as Used.mutate(None) builds the aggregate: the base initialiser, the class's
+        # own, the event's apply; then the event pending, as _create leaves it
+        use = object.__new__(cls)
+        use.__base_init__(stream, used.originator_version, used.timestamp)
+        use.__init__(sandbox_id, generation, digest)  # type: ignore[misc]
+        used.apply(use)
+        use.pending_events.append(used)
+        return use
+
+
+_TOPIC = get_topic(FencingTokenUse)

@@ -7,9 +7,30 @@ that callers use, and two replicas creating the same id collide on the same stre
 from __future__ import annotations
 
 from functools import lru_cache
-from uuid import UUID, uuid5
+from hashlib import sha1
+from uuid import UUID, SafeUUID
 
 NAMESPACE = UUID("3f4c1f0e-5b8e-4f7a-9d57-2f1a6c0b9e11")
+_NAMESPACE_BYTES = NAMESPACE.bytes
+_set = object.__setattr__
+# uuid5's version and variant bits (RFC 4122), as ``UUID(bytes=..., version=5)`` sets them
+_CLEARED = ~(0xC000 << 48) & ~(0xF000 << 64)
+_VERSION_5 = 0x8000 << 48 | 5 << 76
+
+
+def uuid5(namespace: UUID, name: str) -> UUID:
+    """``uuid.uuid5(namespace, name)``, the same ``UUID`` (its ``int`` and ``is_safe``),
+    without ``UUID.__init__``'s checks of its arguments (half the time: a placement
+    derives a token's stream id, uncached). ``tests/test_ids.py`` compares both."""
+    digest = sha1(
+        (_NAMESPACE_BYTES if namespace is NAMESPACE else namespace.bytes) + name.encode()
+    ).digest()
+    uuid = object.__new__(UUID)
+    _set(uuid, "int", int.from_bytes(digest[:16], "big") & _CLEARED | _VERSION_5)
+    _set(uuid, "is_safe", SafeUUID.unknown)
+    return uuid
+
+
 # a placement derives the same few ids several times (SHA-1 each): the last ones are
 # kept, a bounded number (sandbox ids are not)
 REMEMBERED = 16_384

@@ -24,7 +24,7 @@ from eventsourcing.domain import Aggregate
 from secondbox_scheduler.domain.actors import ActedEvent
 from secondbox_scheduler.domain.ids import lease_uuid
 from secondbox_scheduler.domain.records import MaterializationRecord
-from secondbox_scheduler.domain.values import MaterializationSnapshot
+from secondbox_scheduler.domain.values import MaterializationSnapshot, trusted
 
 OBSERVED_STALE = "stale"  # older than the last recorded heartbeat
 OBSERVED_COALESCED = "coalesced"  # fresh, same evidence, within the renewal interval
@@ -110,12 +110,15 @@ def materialization_snapshots(
 ) -> tuple[MaterializationSnapshot, ...]:
     """Recorded materializations as value objects (trusted: no validation)."""
     return tuple(
-        MaterializationSnapshot.model_construct(
-            backend_kind=item["backend_kind"],
-            architecture=item["architecture"],
-            runtime_digest=item["runtime_digest"],
-            toolchain_digest=item["toolchain_digest"],
-            digest=item["digest"],
+        trusted(  # every field, in the model's order (``model_construct``)
+            MaterializationSnapshot,
+            {
+                "backend_kind": item["backend_kind"],
+                "architecture": item["architecture"],
+                "runtime_digest": item["runtime_digest"],
+                "toolchain_digest": item["toolchain_digest"],
+                "digest": item["digest"],
+            },
         )
         for item in records
     )

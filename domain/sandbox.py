@@ -60,6 +60,7 @@ from secondbox_scheduler.domain.placement.rules import (
     RULES_VERSION,
     decide,
     home_decision_record,
+    passes_every_rule,
     refusal,
     select_home_runner,
 )
@@ -74,6 +75,7 @@ from secondbox_scheduler.domain.values import (
     Requirements,
     RunnerSnapshot,
     ScheduleRequest,
+    requirements_record,
 )
 
 TOKEN_REUSED = "must differ from every earlier token of this sandbox"
@@ -326,7 +328,7 @@ class Sandbox(Aggregate):
                 f"sandbox {self.sandbox_id!r} pins {self.profile_revision_id!r}, "
                 f"not {request.profile_revision_id!r}"
             )
-        if request.requirements.to_record() != self.requirements:
+        if requirements_record(request.requirements) != self.requirements:
             raise ProfileRevisionMismatchError(
                 f"requirements differ from those pinned by {self.profile_revision_id!r}"
             )
@@ -360,9 +362,15 @@ class Sandbox(Aggregate):
         # request's value is the pinned one (a record parses back to the value it was
         # dumped from), without parsing the record again
         requirements = request.requirements
-        select_home_runner(
-            self.home_runner_id, requirements, [runner], request.now, request.heartbeat_timeout
-        )
+        # the home runner passing every rule in one go is what the rules' evaluation of
+        # it would find (``passes_every_rule``); anything else, they name its failures
+        if not (
+            runner.id == self.home_runner_id
+            and passes_every_rule(requirements, runner, request.now, request.heartbeat_timeout)
+        ):
+            select_home_runner(
+                self.home_runner_id, requirements, [runner], request.now, request.heartbeat_timeout
+            )
         record = new_assignment_record(request, runner, self.generation, request.now)
         placement: PlacementRecord = {
             **decision_record(

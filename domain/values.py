@@ -234,6 +234,29 @@ class Requirements(Value):
     egress_context: Name | None = None
 
 
+# the records of requirements values lately dumped, by the value's identity (the
+# value is kept with its record, so its id is not reused meanwhile): a schedule checks
+# a request's requirements against its sandbox's pinned record twice, and a batch's
+# requests may share one value; cleared when full, and few: every value kept is
+# objects the garbage collector walks (``tests/test_batching.py`` bounds them)
+_REMEMBERED_RECORDS = 64
+_requirements_records: dict[int, tuple[Requirements, dict[str, Any]]] = {}
+
+
+def requirements_record(requirements: Requirements) -> dict[str, Any]:
+    """``requirements.to_record()``, dumped once per value (a frozen value of frozen
+    values, sets and tuples: its record never changes). The record is shared: read it,
+    never change it."""
+    known = _requirements_records.get(id(requirements))
+    if known is not None and known[0] is requirements:
+        return known[1]
+    record = requirements.to_record()
+    if len(_requirements_records) >= _REMEMBERED_RECORDS:
+        _requirements_records.clear()
+    _requirements_records[id(requirements)] = (requirements, record)
+    return record
+
+
 class MaterializationSnapshot(Value):
     """One revalidated local backend composition."""
 

@@ -1,6 +1,7 @@
 """Process CPU of each phase of the batched placement path, per placement.
 
     .venv/bin/python scripts/batch_phases.py [--placements 3000] [--batch 10] [--runners 200]
+        [--gc-threshold N]
 
 Sets up as ``scripts/profile_batch.py`` does (roomy runners cached as a long-running
 replica has them, homed sandboxes, a new database of the local PostgreSQL server), then
@@ -12,15 +13,19 @@ server and tried again) lands in whichever phase runs meanwhile, so compare a ph
 across alternated runs rather than one run's total. Run it from another checkout's
 virtual environment to measure that checkout's code (``cd <checkout> && .venv/bin/python
 <this checkout>/scripts/batch_phases.py``): the phases wrapped exist in both.
+``--gc-threshold``: the collector's young-generation threshold, as the scheduler's
+processes set it (``infrastructure/gc_tuning.py``: 20,000); by default Python's (700),
+where a collection lands in whichever phase allocates past it, so a change that
+allocates less in one phase can move collections, and their CPU, into another.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import random
 import time
-from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -43,7 +48,7 @@ from secondbox_scheduler.infrastructure.tools.bench.fleet import (
     schedule_request,
 )
 
-spent: Counter[str] = Counter()
+spent: dict[str, float] = {}  # CPU seconds per phase label
 _inner: list[float] = []  # CPU of the wrapped phases called by the running one
 
 
@@ -58,7 +63,7 @@ def _wrap(owner: Any, name: str, label: str) -> None:
             return function(*args, **kwargs)
         finally:
             elapsed = time.process_time() - start
-            spent[label] += elapsed - _inner.pop()
+            spent[label] = spent.get(label, 0.0) + elapsed - _inner.pop()
             if _inner:
                 _inner[-1] += elapsed
 
@@ -87,7 +92,11 @@ def main() -> None:
     parser.add_argument("--placements", type=int, default=3000)
     parser.add_argument("--batch", type=int, default=10)
     parser.add_argument("--runners", type=int, default=200)
+    parser.add_argument("--gc-threshold", type=int, default=None)
     args = parser.parse_args()
+    if args.gc_threshold is not None:
+        _, older, oldest = gc.get_threshold()
+        gc.set_threshold(args.gc_threshold, older, oldest)
     for owner, name, label in PHASES:
         _wrap(owner, name, label)
     with bench_database(None, f"phases_{int(time.time())}", keep=False) as fresh:
@@ -121,7 +130,7 @@ def main() -> None:
         f"process CPU {1000 * total / count:.3f} ms per placement "
         f"(building the requests {1e6 * built / count:.0f} us of it)"
     )
-    for label, seconds in spent.most_common():
+    for label, seconds in sorted(spent.items(), key=lambda item: -item[1]):
         print(f"  {1e6 * seconds / count:7.1f} us  {label}")
 
 

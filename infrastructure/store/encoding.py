@@ -6,12 +6,13 @@ the scheduler's CPU (three events per placement, the fence's state about 3 KB).
 :class:`EventMapper` encodes the events of the domain's own aggregates
 (``secondbox_scheduler.domain``), and the snapshots of those aggregates, with orjson,
 datetimes still through the transcoder's hook (``{"_type_": "datetime_iso", ...}``, as
-the library writes them), so the stored state parses to the same JSON value and
-decodes to the same event; it may differ in spelling only (a small float: ``1e-06``
-for ``json``, ``1e-6`` for orjson). Anything else goes to the library's mapper, unchanged: other
-modules' events and snapshots, another transcoder, and any state orjson refuses (an
-integer beyond 64 bits, a key that is not a string, a type no transcoding knows:
-``json`` then encodes it or raises the library's own error).
+the library writes them; a UTC datetime's, its ISO text most of an event's encoding, is
+written once and remembered: :func:`_datetime_fragment`), so the stored state parses to
+the same JSON value and decodes to the same event; it may differ in spelling only (a
+small float: ``1e-06`` for ``json``, ``1e-6`` for orjson). Anything else goes to the
+library's mapper, unchanged: other modules' events and snapshots, another transcoder,
+and any state orjson refuses (an integer beyond 64 bits, a key that is not a string, a
+type no transcoding knows: ``json`` then encodes it or raises the library's own error).
 
 What orjson would write differently and never raises on, a ``UUID``, ``date``,
 ``time``, ``Enum``, or a non-finite float inside a domain event's or aggregate's state,
@@ -28,7 +29,8 @@ orjson encoding is compared with ``json``'s and a difference raises
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from collections.abc import Callable
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, ClassVar
 from uuid import UUID
@@ -41,6 +43,7 @@ from eventsourcing.domain import CanSnapshotAggregate, DomainEventProtocol
 from eventsourcing.persistence import (
     Cipher,
     Compressor,
+    DatetimeAsISO,
     JSONTranscoder,
     Mapper,
     StoredEvent,
@@ -56,6 +59,43 @@ _OPTIONS = (
     | orjson.OPT_PASSTHROUGH_SUBCLASS  # a str or int subclass: json's way
     | orjson.OPT_PASSTHROUGH_DATACLASS  # json refuses a dataclass unless registered
 )
+
+
+# UTC datetimes already written, each as the transcoder's hook writes it (isoformat is
+# most of an event's encoding: a fence holds eight datetimes, four of them distinct, and
+# a batch's requests often share their times); cleared when full
+_REMEMBERED_DATETIMES = 4096
+_datetimes: dict[datetime, Any] = {}
+
+
+def _datetime_fragment(value: datetime) -> Any:
+    """``{"_type_": "datetime_iso", "_data_": value.isoformat()}`` as orjson would write
+    the transcoder's dict, ready written (an ``orjson.Fragment``), for a ``datetime``
+    itself in UTC: two of those that are equal (hash alike) have the same fields, so the
+    same ISO text. Another offset's datetime can equal a UTC one and write another text,
+    and a subclass could write its own: neither is ever remembered."""
+    try:
+        return _datetimes[value]
+    except KeyError:
+        pass
+    fragment = orjson.Fragment(
+        b'{"_type_":"datetime_iso","_data_":"' + value.isoformat().encode() + b'"}'
+    )
+    if len(_datetimes) >= _REMEMBERED_DATETIMES:
+        _datetimes.clear()
+    _datetimes[value] = fragment
+    return fragment
+
+
+def _remembering_hook(encode_obj: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """The transcoder's hook, UTC datetimes through :func:`_datetime_fragment`."""
+
+    def default(value: Any) -> Any:
+        if type(value) is datetime and value.tzinfo is UTC:
+            return _datetime_fragment(value)
+        return encode_obj(value)
+
+    return default
 
 
 class EncodingMismatchError(AssertionError):
@@ -84,6 +124,18 @@ class EventMapper(Mapper[UUID]):
             and set(transcoder.types) <= {UUID, Decimal, datetime}
         )
         self._topics: dict[type[Any], str | None] = {}  # event class: topic, or None
+        self._default: Callable[[Any], Any] | None = None  # orjson's hook (lean only)
+        if self._lean:
+            assert isinstance(transcoder, JSONTranscoder)
+            self._default = transcoder._encode_obj
+            datetimes = transcoder.types.get(datetime)
+            if (  # the library's own datetime transcoding: its text remembered
+                hasattr(orjson, "Fragment")  # not in the oldest orjson the extra allows
+                and datetimes is not None
+                and type(datetimes) is DatetimeAsISO
+                and datetimes.name == "datetime_iso"
+            ):
+                self._default = _remembering_hook(transcoder._encode_obj)
         self._snapshots: set[type[Any]] = set()  # snapshot classes (of any aggregate)
 
     def to_stored_event(self, domain_event: DomainEventProtocol[UUID]) -> StoredEvent:
@@ -106,7 +158,7 @@ class EventMapper(Mapper[UUID]):
         transcoder = self.transcoder
         assert isinstance(transcoder, JSONTranscoder)
         try:
-            stored = orjson.dumps(state, default=transcoder._encode_obj, option=_OPTIONS)
+            stored = orjson.dumps(state, default=self._default, option=_OPTIONS)
         except TypeError:  # orjson.JSONEncodeError: json's encoding, or json's error
             stored = transcoder.encode(state)
         else:

@@ -9,13 +9,15 @@ batch. :func:`load_many` asks for the new events of every cached aggregate in on
 ``Repository.get`` does), and for the snapshots and later events of every uncached one
 in another, puts those in the cache as the repository does, and returns deep copies
 (commands never touch the cached instances). On the in-memory store it falls back to
-``repository.get`` for each.
+``repository.get`` for each. The stored events and snapshots read are decoded by an
+:class:`~secondbox_scheduler.projections.event_decoder.EventDecoder` of the application's
+mapper: the mapper's very events (or its errors), with orjson.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack, suppress
 from typing import Any
 from uuid import UUID
@@ -29,7 +31,25 @@ from psycopg.sql import SQL, Composed, Identifier
 
 from secondbox_scheduler.infrastructure.store.sealed_snapshots import SealedSnapshots
 from secondbox_scheduler.infrastructure.store.typed_arrays import BigintArray, UUIDArray
+from secondbox_scheduler.projections.event_decoder import EventDecoder
 from secondbox_scheduler.projections.event_log import rendered
+
+# each application's loads decode through one EventDecoder of its mapper (the mapper's
+# very events, with orjson and each topic's learned paths: a batch's sandboxes are read
+# afresh every time, their creation's state about 1 KB each), kept on the mapper
+_DECODE = "_secondbox_load_decode"
+
+
+def _decoder(app: Application[UUID]) -> Callable[[StoredEvent], Any]:
+    """``app.mapper.to_domain_event``, through an :class:`EventDecoder` when it is lean
+    (the library's mapper and transcoder): the same events, or the mapper's errors."""
+    mapper = app.mapper
+    decode: Callable[[StoredEvent], Any] | None = getattr(mapper, _DECODE, None)
+    if decode is None:
+        decoder = EventDecoder(mapper)
+        decode = decoder if decoder.lean else mapper.to_domain_event
+        setattr(mapper, _DECODE, decode)
+    return decode
 
 
 class _fast_forward_lock:
@@ -141,6 +161,7 @@ class _Unsupported(Exception):
 
 def _load_together(app: Application[UUID], ids: list[UUID], cache_new: bool) -> dict[UUID, Any]:
     repository, recorder, snapshots = app.repository, app.recorder, app.snapshots
+    decode = _decoder(app)
     cache = repository.cache
     assert cache is not None
     assert snapshots is not None
@@ -167,7 +188,7 @@ def _load_together(app: Application[UUID], ids: list[UUID], cache_new: bool) -> 
                 (aggregate_id, aggregate.version) for aggregate_id, aggregate in cached.items()
             ]
             for event in _select_events_after(recorder, after):
-                domain_event: Any = app.mapper.to_domain_event(event)
+                domain_event: Any = decode(event)
                 aggregate = cached[domain_event.originator_id]
                 if domain_event.mutate(aggregate) is not aggregate:
                     # a mutator that returns another object (never ours): drop the cached
@@ -195,10 +216,10 @@ def _load_together(app: Application[UUID], ids: list[UUID], cache_new: bool) -> 
                     events = [e for e in events if e.originator_id not in refused] + replayed
             rebuilt: dict[UUID, Any] = {}
             for aggregate_id, snapshot in trusted.items():
-                snapshot_event: Any = app.mapper.to_domain_event(snapshot)
+                snapshot_event: Any = decode(snapshot)
                 rebuilt[aggregate_id] = snapshot_event.mutate(None)
             for event in events:
-                domain_event = app.mapper.to_domain_event(event)
+                domain_event = decode(event)
                 stream = domain_event.originator_id
                 rebuilt[stream] = domain_event.mutate(rebuilt.get(stream))
             for aggregate_id, aggregate in rebuilt.items():
@@ -208,7 +229,7 @@ def _load_together(app: Application[UUID], ids: list[UUID], cache_new: bool) -> 
         if missing:
             loaded: dict[UUID, Any] = {}
             for event in _select_snapshots_and_events(recorder, snapshots.recorder, missing):
-                domain_event = app.mapper.to_domain_event(event)
+                domain_event = decode(event)
                 stream = domain_event.originator_id
                 loaded[stream] = domain_event.mutate(loaded.get(stream))
             for aggregate_id, aggregate in loaded.items():
