@@ -7,9 +7,10 @@ what the long way finds.
   tuple for a list) is validated on its own, and refused as ``Requirements.from_record``
   refuses it.
 - A placement whose evidence is the fold's own runner and lease is settled by
-  ``passes_every_rule``; when it does not pass, every rule is evaluated and each
-  failure named, as before (tested here on evidence the fold takes as its own:
-  ``plain_evidence`` returns a snapshot for it).
+  ``passes_on_state`` (``passes_every_rule`` read from the fold's state); when it does
+  not pass, every rule is evaluated on the snapshot and each failure named, as before
+  (tested here on evidence the fold takes as its own: ``plain_view`` returns its
+  lease's entry).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 
 from secondbox_scheduler.domain.audit import sandbox_checks
-from secondbox_scheduler.domain.audit.evidence import plain_evidence
+from secondbox_scheduler.domain.audit.evidence import plain_evidence, plain_view
 from secondbox_scheduler.domain.audit.fold import AuditFold
 from secondbox_scheduler.domain.audit.state import REQUIREMENTS_KEPT
 from secondbox_scheduler.domain.errors import InvalidRequestError
@@ -115,12 +116,12 @@ def _refusal(record: dict[str, Any]) -> InvalidRequestError:
 def _spied(monkeypatch: pytest.MonkeyPatch) -> list[RunnerSnapshot | None]:
     seen: list[RunnerSnapshot | None] = []
 
-    def spy(record: Any, *args: Any) -> RunnerSnapshot | None:
-        found = plain_evidence(record, *args)
-        seen.append(found)
-        return found
+    def spy(record: Any, *args: Any) -> tuple[Any, ...] | None:
+        view = plain_view(record, *args)
+        seen.append(plain_evidence(record, *args))
+        return view
 
-    monkeypatch.setattr(sandbox_checks, "plain_evidence", spy)
+    monkeypatch.setattr(sandbox_checks, "plain_view", spy)
     return seen
 
 
