@@ -57,8 +57,14 @@ class SandboxChecks(FoldState):
         chosen = decision.get("chosen_runner_id")
         if chosen != home:
             self._violate("invariant-4", f"home decision chose {chosen!r}")
+        candidates = decision.get("candidates", ())
+        if type(candidates) is list and len(candidates) == 1:  # most list the home alone
+            only = candidates[0]
+            if not only["failures"] and only["runner_id"] == home:
+                rank_key_from_record(home, only.get("rank"))  # read as min would read it
+                return
         ranks = {}  # of the compatible runners listed (a loop: most list one)
-        for c in decision.get("candidates", ()):
+        for c in candidates:
             if not c["failures"]:
                 ranks[c["runner_id"]] = c.get("rank")
         if home not in ranks:
