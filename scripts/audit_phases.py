@@ -8,7 +8,10 @@ decoding every event alone, and decoding and folding every event in turn as the 
 process of ``audit verify --workers 2`` does (a new compact ``AuditFold`` each round).
 Prints the minimum of each in microseconds of ``time.process_time`` per event, and the
 fold's share (decode and fold less decode). ``--by-class``: after the rounds, the
-fold's thread CPU per event of each event class (events decoded first). Run it from
+fold's thread CPU per event of each event class (events decoded first). ``--verify N``:
+instead, ``verify(app, workers=N)`` ``--rounds`` times, this process's CPU per event
+(with ``N`` 2: the fold's process) and its children's, and the ratio to the raw read
+timed just after it. Run it from
 another checkout's virtual environment to measure that checkout's code (``cd
 <checkout> && .venv/bin/python <this checkout>/scripts/audit_phases.py ...``). Keep a
 log with ``secondbox-scheduler bench --only placement --keep`` (docs/performance.md).
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import resource
 import time
 from collections import Counter
 from typing import Any
@@ -34,8 +38,12 @@ def main() -> None:
     parser.add_argument("--database-url", required=True)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--by-class", action="store_true")
+    parser.add_argument("--verify", type=int, default=0, metavar="WORKERS")
     args = parser.parse_args()
     app = SchedulerApplication(env={DATABASE_URL: args.database_url, READ_MODELS: "off"})
+    if args.verify:
+        _verify(app, args.verify, args.rounds)
+        return
     start = time.process_time()
     notifications = [n for page in read_pages(app.recorder, after=0) for n in page]
     read = time.process_time() - start
@@ -71,6 +79,35 @@ def main() -> None:
     )
     if args.by_class:
         _by_class(app, notifications)
+
+
+def _verify(app: SchedulerApplication, workers: int, rounds: int) -> None:
+    """``verify(app, workers=...)`` as ``audit verify`` runs it: this process's CPU per
+    event (the fold's, the raw read's baseline excluded) and its children's, and the
+    ratio to the raw read."""
+    from secondbox_scheduler.infrastructure.audit.verify import verify
+    from secondbox_scheduler.projections.read_models import read_raw
+
+    for _ in range(rounds):
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        report = verify(app, workers=workers, measure_raw=False)
+        own_after = resource.getrusage(resource.RUSAGE_SELF)
+        children_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.perf_counter()
+        read_raw(app)
+        raw = time.perf_counter() - start
+        per = 1e6 / report.events
+        print(
+            f"verify --workers {workers}: {report.events} events in {report.seconds:.2f}s, "
+            f"this process {_cpu(own, own_after) * per:.2f} us/event, children "
+            f"{_cpu(children, children_after) * per:.2f}; raw read {raw:.2f}s, "
+            f"ratio {raw / report.seconds:.3f}; violations {len(report.violations)}"
+        )
+
+
+def _cpu(before: Any, after: Any) -> float:
+    return float(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
 
 
 def _by_class(app: SchedulerApplication, notifications: list[Any]) -> None:
