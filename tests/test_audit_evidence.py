@@ -18,6 +18,8 @@ from secondbox_scheduler.domain.audit.evidence import (
     plain_evidence,
     plain_lease_lists,
     plain_runner,
+    plain_snapshot,
+    plain_view,
 )
 from secondbox_scheduler.domain.audit.fold import AuditFold
 from secondbox_scheduler.domain.sandbox import Sandbox
@@ -36,12 +38,14 @@ def test_every_placement_of_a_sound_history_is_checked_on_the_folds_own_state(
     steady_history(app, 300, runners=2, sandboxes=6)
     seen: list[tuple[Any, RunnerSnapshot | None]] = []
 
-    def spy(record: Any, *args: Any) -> RunnerSnapshot | None:
-        found = plain_evidence(record, *args)
+    def spy(record: Any, runner: Any, lease: Any, version: int) -> tuple[Any, ...] | None:
+        view = plain_view(record, runner, lease, version)
+        found = None if view is None else plain_snapshot(runner, lease, version, view)
         seen.append((record, found))
-        return found
+        assert found == plain_evidence(record, runner, lease, version)
+        return view
 
-    monkeypatch.setattr(sandbox_checks, "plain_evidence", spy)
+    monkeypatch.setattr(sandbox_checks, "plain_view", spy)
     audit = AuditFold(compact=True)
     for position, event in log_events(app, None):
         audit.apply(position, event)

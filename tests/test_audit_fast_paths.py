@@ -7,24 +7,29 @@ what the long way finds.
   tuple for a list) is validated on its own, and refused as ``Requirements.from_record``
   refuses it.
 - A placement whose evidence is the fold's own runner and lease is settled by
-  ``passes_every_rule``; when it does not pass, every rule is evaluated and each
-  failure named, as before (tested here on evidence the fold takes as its own:
-  ``plain_evidence`` returns a snapshot for it).
+  ``passes_on_state`` (``passes_every_rule`` read from the fold's state); when it does
+  not pass, every rule is evaluated on the snapshot and each failure named, as before
+  (tested here on evidence the fold takes as its own: ``plain_view`` returns its
+  lease's entry).
+- A home decision that lists one candidate is judged without the ranks' loop: each
+  finding, and each error a malformed one raises, is the loop's.
 """
 
 from __future__ import annotations
 
 import copy
 from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from secondbox_scheduler.domain.audit import sandbox_checks
-from secondbox_scheduler.domain.audit.evidence import plain_evidence
+from secondbox_scheduler.domain.audit.evidence import plain_evidence, plain_view
 from secondbox_scheduler.domain.audit.fold import AuditFold
 from secondbox_scheduler.domain.audit.state import REQUIREMENTS_KEPT
 from secondbox_scheduler.domain.errors import InvalidRequestError
+from secondbox_scheduler.domain.placement.evidence import rank_key_from_record
 from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.domain.values import Requirements, RunnerSnapshot
 from tests.aggregates import T0, requirements
@@ -115,12 +120,12 @@ def _refusal(record: dict[str, Any]) -> InvalidRequestError:
 def _spied(monkeypatch: pytest.MonkeyPatch) -> list[RunnerSnapshot | None]:
     seen: list[RunnerSnapshot | None] = []
 
-    def spy(record: Any, *args: Any) -> RunnerSnapshot | None:
-        found = plain_evidence(record, *args)
-        seen.append(found)
-        return found
+    def spy(record: Any, *args: Any) -> tuple[Any, ...] | None:
+        view = plain_view(record, *args)
+        seen.append(plain_evidence(record, *args))
+        return view
 
-    monkeypatch.setattr(sandbox_checks, "plain_evidence", spy)
+    monkeypatch.setattr(sandbox_checks, "plain_view", spy)
     return seen
 
 
@@ -157,3 +162,68 @@ def test_a_draining_runner_on_the_folds_own_evidence_is_named(
     found = details_at(w.log, position, "invariant-4")
     assert seen[-1] is not None
     assert found == ["runner 'r1' was not compatible: drain phase is 'draining'"]
+
+
+def _home_check_the_long_way(audit: AuditFold, home: str, decision: dict[str, Any]) -> None:
+    """``SandboxChecks._check_home_decision`` as it was before its one-candidate case."""
+    chosen = decision.get("chosen_runner_id")
+    if chosen != home:
+        audit._violate("invariant-4", f"home decision chose {chosen!r}")
+    ranks = {}
+    for c in decision.get("candidates", ()):
+        if not c["failures"]:
+            ranks[c["runner_id"]] = c.get("rank")
+    if home not in ranks:
+        audit._violate("invariant-4", f"home runner {home!r} is not listed as compatible")
+        return
+    if len(ranks) == 1:
+        rank_key_from_record(home, ranks[home])
+        return
+    best = min(ranks, key=lambda runner_id: rank_key_from_record(runner_id, ranks[runner_id]))
+    if ranks[home] is not None and best != home:
+        audit._violate("invariant-4", f"listed runner {best!r} ranks above home {home!r}")
+
+
+RANK = {"artifact_locality": 1, "free_instances": 3, "free_vcpu_count": 4, "free_memory_bytes": 5}
+HOME_DECISIONS: dict[str, Any] = {
+    "the home alone": [{"runner_id": "r1", "failures": [], "rank": RANK}],
+    "the home alone, no rank": [{"runner_id": "r1", "failures": []}],
+    "the home alone, refused": [{"runner_id": "r1", "failures": [{"code": "pool"}], "rank": RANK}],
+    "another runner alone": [{"runner_id": "r2", "failures": [], "rank": RANK}],
+    "a malformed rank": [{"runner_id": "r1", "failures": [], "rank": {"free_instances": "x"}}],
+    "a rank of a list": [{"runner_id": "r1", "failures": [], "rank": [1]}],
+    "an unhashable runner id": [{"runner_id": ["r1"], "failures": [], "rank": RANK}],
+    "a candidate of a list": [["r1"]],
+    "no failures key": [{"runner_id": "r1", "rank": RANK}],
+    "candidates as a mapping": {"r1": {"runner_id": "r1", "failures": []}},
+    "candidates as a string": "r",
+    "no candidates": [],
+    "two, the home first": [
+        {"runner_id": "r1", "failures": [], "rank": RANK},
+        {"runner_id": "r2", "failures": [], "rank": RANK},
+    ],
+    "two, the home second": [
+        {"runner_id": "r0", "failures": [], "rank": RANK},
+        {"runner_id": "r1", "failures": [], "rank": RANK},
+    ],
+}
+
+
+def _outcome(check: Any, decision: dict[str, Any]) -> tuple[list[str], str | None]:
+    audit = AuditFold(compact=True)
+    audit._current = SimpleNamespace(originator_id="s1")  # what a finding is named by
+    try:
+        check(audit, "r1", decision)
+    except Exception as error:  # audit verify: "unfoldable", with this error
+        return [v.detail for v in audit.violations], f"{type(error).__name__}: {error}"
+    return [v.detail for v in audit.violations], None
+
+
+@pytest.mark.parametrize("case", HOME_DECISIONS)
+@pytest.mark.parametrize("chosen", ["r1", "r2"])
+def test_a_home_decision_of_one_candidate_is_judged_as_the_loop_judges_it(
+    case: str, chosen: str
+) -> None:
+    decision = {"chosen_runner_id": chosen, "candidates": copy.deepcopy(HOME_DECISIONS[case])}
+    fast = _outcome(lambda audit, home, d: audit._check_home_decision(home, d), decision)
+    assert fast == _outcome(_home_check_the_long_way, decision)

@@ -16,14 +16,16 @@ give equal snapshots.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from secondbox_scheduler.domain.audit.state import DIMENSIONS, LeaseState, RunnerState
+from secondbox_scheduler.domain.placement.rules import passes_on_fields
 from secondbox_scheduler.domain.values import (
     INT64_MAX,
     UINT32_MAX,
     Capacity,
+    Requirements,
     RunnerSnapshot,
     trusted,
 )
@@ -105,11 +107,12 @@ def _plain_heartbeat(recorded: object, lease: LeaseState, version: int, held: An
     return False
 
 
-def plain_evidence(
+def plain_view(
     record: Any, runner: RunnerState, lease: LeaseState, version: int
-) -> RunnerSnapshot | None:
-    """The evidence ``record`` as a snapshot built from the fold's ``runner`` and its
-    ``lease`` at ``version``, when the record is exactly them; None otherwise."""
+) -> tuple[Any, ...] | None:
+    """The lease's entry at ``version`` (``LeaseState.history``) when the evidence
+    ``record`` is exactly the fold's ``runner`` and that entry, in the form
+    ``RunnerSnapshot.from_record`` takes without change; None otherwise."""
     view = lease.history.get(version)
     if (
         view is None
@@ -137,6 +140,14 @@ def plain_evidence(
         or not _plain_heartbeat(record["last_heartbeat_at"], lease, version, view[0])
     ):
         return None
+    return view
+
+
+def plain_snapshot(
+    runner: RunnerState, lease: LeaseState, version: int, view: tuple[Any, ...]
+) -> RunnerSnapshot:
+    """The snapshot of the fold's ``runner`` and ``lease`` at ``version`` (``view``,
+    what :func:`plain_view` returned), built without validation."""
     return trusted(
         RunnerSnapshot,
         {
@@ -144,7 +155,7 @@ def plain_evidence(
             "pool_name": runner.pool_name,
             "backend_kind": runner.backend_kind,
             "architecture": runner.architecture,
-            "capabilities": frozenset(runner.listed),
+            "capabilities": frozenset(runner.listed or ()),
             "allocatable": Capacity.of(runner.allocatable),
             "reserved": Capacity.of(runner.reserved),
             "drain_phase": runner.drain_phase,
@@ -156,3 +167,34 @@ def plain_evidence(
             "guest_protocol_maximum": runner.guest_protocol_maximum,
         },
     )
+
+
+def plain_evidence(
+    record: Any, runner: RunnerState, lease: LeaseState, version: int
+) -> RunnerSnapshot | None:
+    """The evidence ``record`` as a snapshot built from the fold's ``runner`` and its
+    ``lease`` at ``version``, when the record is exactly them; None otherwise."""
+    view = plain_view(record, runner, lease, version)
+    return None if view is None else plain_snapshot(runner, lease, version, view)
+
+
+def passes_on_state(
+    requirements: Requirements,
+    runner: RunnerState,
+    lease: LeaseState,
+    view: tuple[Any, ...],
+    version: int,
+    now: datetime,
+    heartbeat_timeout: timedelta,
+    rules_version: int,
+) -> bool:
+    """``passes_every_rule`` on :func:`plain_snapshot`'s snapshot (the same values:
+    the fold's runner, the lease's entry ``view`` at ``version``), read from the fold's
+    state without building it. ``tests/test_audit_evidence.py`` holds the two equal."""
+    return passes_on_fields(
+        requirements, now, heartbeat_timeout, rules_version,
+        runner.pool_name, runner.architecture, runner.drain_phase, view[0],
+        runner.backend_kind, frozenset(runner.listed or ()), runner.guest_protocol_minimum,
+        runner.guest_protocol_maximum, runner.supported_egress_contexts,
+        lease.materializations_at(version), runner.allocatable, runner.reserved,
+    )  # fmt: skip

@@ -124,7 +124,7 @@ class AuditFold(RunnerChecks, SandboxChecks, LogTimes):
         self.position = position
         self.events += 1
         self._current = event
-        self._stream = self._streams.get(event.originator_id)
+        self._stream = self._entry(event.originator_id)
         pending = self.pending
         if pending is not None and not self._completes(pending, event):
             self._unpaired(pending, "in the same transaction")

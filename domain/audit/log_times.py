@@ -98,11 +98,11 @@ class LogTimes(FoldState):
             if self._back is not None:
                 high = self._judge(latest)
             if latest >= high.floor:
-                if earliest > high.earliest:
-                    self._high = _Mark(
-                        self.position, event, self._stream, earliest, latest,
-                        self.MAX_CLOCK_SKEW,
-                    )  # fmt: skip
+                if earliest > high.earliest:  # the new high mark, written over the old
+                    # one (held by nothing else here: no event went back), as _Mark sets it
+                    high.floor = earliest - self.MAX_CLOCK_SKEW
+                    high.position, high.event, high.stream = self.position, event, self._stream
+                    high.earliest, high.latest = earliest, latest
                 return
         mark = _Mark(self.position, event, self._stream, earliest, latest, self.MAX_CLOCK_SKEW)
         if high is None:

@@ -19,7 +19,7 @@ from sys import intern
 from typing import Any
 
 from secondbox_scheduler.domain.assignment import STATE_RELEASED, STATE_RUNNING, STATE_UNCERTAIN
-from secondbox_scheduler.domain.audit.evidence import plain_evidence
+from secondbox_scheduler.domain.audit.evidence import passes_on_state, plain_snapshot, plain_view
 from secondbox_scheduler.domain.audit.state import (
     LEASE_WINDOW,
     REQUIREMENTS_KEPT,
@@ -57,8 +57,14 @@ class SandboxChecks(FoldState):
         chosen = decision.get("chosen_runner_id")
         if chosen != home:
             self._violate("invariant-4", f"home decision chose {chosen!r}")
+        candidates = decision.get("candidates", ())
+        if type(candidates) is list and len(candidates) == 1:  # most list the home alone
+            only = candidates[0]
+            if not only["failures"] and only["runner_id"] == home:
+                rank_key_from_record(home, only.get("rank"))  # read as min would read it
+                return
         ranks = {}  # of the compatible runners listed (a loop: most list one)
-        for c in decision.get("candidates", ()):
+        for c in candidates:
             if not c["failures"]:
                 ranks[c["runner_id"]] = c.get("rank")
         if home not in ranks:
@@ -138,13 +144,14 @@ class SandboxChecks(FoldState):
         lease = self._of(self.lease_of.get(runner_id)).lease
         version = placement.get("lease_version", 0)
         # the evidence is the fold's runner and lease, field for field (a sound history):
-        # built from them, no validation, nothing to compare (domain/audit/evidence.py)
-        evidence = None
+        # read from them, no validation, nothing to compare (domain/audit/evidence.py)
+        own = None  # the fold's runner, lease and the lease's entry at version: the evidence
         if runner is not None and lease is not None and type(version) is int:
-            evidence = plain_evidence(placement["runner"], runner, lease, version)
-        plain = evidence is not None
-        if evidence is None:
-            evidence = RunnerSnapshot.from_record(placement["runner"])
+            view = plain_view(placement["runner"], runner, lease, version)
+            if view is not None:
+                own = (runner, lease, view)
+                lease.materializations_at(version)  # made (and cached) here, as it was
+        evidence = RunnerSnapshot.from_record(placement["runner"]) if own is None else None
         decided_at = placement["decided_at"]
         clock = placement.get("clock")  # recorded since release 0.2
         if clock is not None and abs(decided_at - clock) > self.MAX_CLOCK_SKEW:
@@ -155,23 +162,31 @@ class SandboxChecks(FoldState):
             )
         timeout = timedelta(seconds=placement["heartbeat_timeout_seconds"])
         rules_version = placement.get("rules_version", 1)
-        # every rule passed (what a sound placement shows) settles it in one go; else
-        # every rule is evaluated, each failure named
-        if not passes_every_rule(
-            requirements, evidence, decided_at, timeout, rules_version=rules_version
+        # every rule passed (what a sound placement shows) settles it in one go, on the
+        # fold's own state when the evidence is that state; else every rule is
+        # evaluated, each failure named
+        if own is None or not passes_on_state(
+            requirements, *own, version, decided_at, timeout, rules_version
         ):
-            evaluation = evaluate_runner(
-                requirements, evidence, decided_at, timeout, rules_version=rules_version
-            )
-            if not evaluation.compatible:
-                reasons = ", ".join(f.detail for f in evaluation.failures)
-                self._violate("invariant-4", f"runner {runner_id!r} was not compatible: {reasons}")
+            checked = evidence if own is None else plain_snapshot(own[0], own[1], version, own[2])
+            assert checked is not None
+            if not passes_every_rule(
+                requirements, checked, decided_at, timeout, rules_version=rules_version
+            ):
+                evaluation = evaluate_runner(
+                    requirements, checked, decided_at, timeout, rules_version=rules_version
+                )
+                if not evaluation.compatible:
+                    reasons = ", ".join(f.detail for f in evaluation.failures)
+                    self._violate(
+                        "invariant-4", f"runner {runner_id!r} was not compatible: {reasons}"
+                    )
         if record["capacity"] != requirements.capacity.as_dict():
             self._violate("invariant-4", "reserved capacity differs from the pinned requirements")
         if runner is None:
             self._violate("invariant-4", f"runner {runner_id!r} is not registered")
             return
-        if not plain:
+        if evidence is not None:
             self._compare_evidence(runner, evidence)
         if runner.deregistered:
             self._violate("invariant-4", f"runner {runner_id!r} was deregistered")
@@ -195,7 +210,7 @@ class SandboxChecks(FoldState):
                 "a lease's versions that long: a decision on a view of it that old is stale)",
             )
             return
-        if plain:
+        if evidence is None:
             return
         heartbeat, digests, _ = lease.at_version(version)
         if (

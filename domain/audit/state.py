@@ -248,6 +248,10 @@ class FoldState:
         self.violations: list[Violation] = []
         self._current: Any = None
         self._streams: dict[UUID, Stream] = {}  # every aggregate's state, by stream id
+        # the same entries by the id's number (a UUID's hash and equality are Python
+        # calls, an int's are not), filled as they are looked up: not part of a saved
+        # fold state (rebuilt from _streams after a restore)
+        self._numbered: dict[int, Stream] = {}
         self._stream: Stream | None = None  # the current event's
         self._names: dict[type[Any], tuple[str, str]] = {}
         self.pending: Pending | None = None
@@ -278,9 +282,22 @@ class FoldState:
         )  # fmt: skip
         self.violations.append(Violation(position, f"{names[1]} {label}", names[0], rule, detail))
 
+    def _entry(self, stream_id: Any) -> Stream | None:
+        """The state of stream ``stream_id`` (None: none yet), looked up by the id's
+        number when it is a UUID (:attr:`_numbered`, filled from :attr:`_streams`)."""
+        if type(stream_id) is not UUID:
+            return self._streams.get(stream_id)
+        number = stream_id.int
+        stream = self._numbered.get(number)
+        if stream is None:
+            stream = self._streams.get(stream_id)
+            if stream is not None:
+                self._numbered[number] = stream
+        return stream
+
     def _of(self, stream_id: UUID | None) -> Stream:
         """The state of a stream named by an index (empty when there is none)."""
-        stream = self._streams.get(stream_id) if stream_id is not None else None
+        stream = self._entry(stream_id) if stream_id is not None else None
         return stream if stream is not None else NO_STREAM
 
     def _enter(self, stream_id: UUID) -> Stream:

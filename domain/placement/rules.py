@@ -50,6 +50,7 @@ from secondbox_scheduler.domain.placement.ranking import RankingPolicy, rank_key
 from secondbox_scheduler.domain.values import (
     DRAIN_PHASE_ACTIVE,
     Capacity,
+    MaterializationSnapshot,
     Requirements,
     RunnerSnapshot,
     require_aware,
@@ -296,26 +297,55 @@ def passes_every_rule(
     :func:`evaluate_runner` then, which names each failure. Raises what
     :func:`evaluate_runner` raises for ``now`` and ``heartbeat_timeout``.
     ``tests/test_rules_in_one_go.py`` holds it to :func:`evaluate_runner`."""
+    return passes_on_fields(
+        requirements, now, heartbeat_timeout, rules_version,
+        runner.pool_name, runner.architecture, runner.drain_phase, runner.last_heartbeat_at,
+        runner.backend_kind, runner.capabilities, runner.guest_protocol_minimum,
+        runner.guest_protocol_maximum, runner.supported_egress_contexts,
+        runner.materializations, runner.allocatable.as_dict(), runner.reserved.as_dict(),
+    )  # fmt: skip
+
+
+def passes_on_fields(
+    requirements: Requirements,
+    now: datetime,
+    heartbeat_timeout: timedelta,
+    rules_version: int,
+    pool_name: str,
+    architecture: str,
+    drain_phase: str,
+    seen: datetime | None,
+    backend_kind: str,
+    capabilities: frozenset[str],
+    guest_protocol_minimum: int,
+    guest_protocol_maximum: int,
+    supported_egress_contexts: Sequence[str],
+    materializations: Sequence[MaterializationSnapshot],
+    a: Mapping[str, int],
+    r: Mapping[str, int],
+) -> bool:
+    """:func:`passes_every_rule` on a runner given field by field, its allocatable and
+    reserved capacity ``a`` and ``r`` as dimension mappings (``Capacity.as_dict()``):
+    what the audit fold calls with its own state when a placement's evidence is
+    exactly that state (``domain/audit/evidence.py``), without a snapshot built."""
     stale_before = _stale_before(now, heartbeat_timeout)
     wanted = requirements
-    capabilities = runner.capabilities
-    seen = runner.last_heartbeat_at
     if not (
-        runner.pool_name == wanted.pool_name  # pool
-        and runner.architecture == wanted.architecture  # architecture
-        and runner.drain_phase == DRAIN_PHASE_ACTIVE  # draining
+        pool_name == wanted.pool_name  # pool
+        and architecture == wanted.architecture  # architecture
+        and drain_phase == DRAIN_PHASE_ACTIVE  # draining
         and seen is not None
         and seen >= stale_before  # heartbeat_stale
-        and runner.backend_kind
+        and backend_kind
         and CAPABILITY_COMPUTE in capabilities  # backend
         and wanted.guest_protocol_generation >= 1  # guest_protocol
-        and runner.guest_protocol_minimum
+        and guest_protocol_minimum
         <= wanted.guest_protocol_generation
-        <= runner.guest_protocol_maximum
+        <= guest_protocol_maximum
         and wanted.required_capabilities <= capabilities  # capability
         and capabilities.issuperset(PREREQUISITE_CAPABILITIES)  # prerequisite
         and (wanted.egress_context is None  # egress
-             or wanted.egress_context in runner.supported_egress_contexts)
+             or wanted.egress_context in supported_egress_contexts)
     ):  # fmt: skip
         return False
     # materialization, in the order its check reads
@@ -326,10 +356,9 @@ def passes_every_rule(
             return False
         if not client_selected:
             runtime, toolchain = digests
-            backend, architecture = runner.backend_kind, runner.architecture
-            for item in runner.materializations:
+            for item in materializations:
                 if (
-                    item.backend_kind == backend
+                    item.backend_kind == backend_kind
                     and item.architecture == architecture
                     and item.runtime_digest == runtime
                     and item.toolchain_digest == toolchain
@@ -339,22 +368,26 @@ def passes_every_rule(
             else:
                 return False
     # capacity, read as _check_capacity reads it, one dimension of Capacity.DIMENSIONS
-    # after the other (spelled out: no loop, no dict; the test checks the five): it fits
-    # on every checked dimension (disk is not checked with physical-storage admission),
-    # and the reserved total stays within the limit on every one
-    a, r, q = runner.allocatable, runner.reserved, wanted.capacity
+    # after the other (spelled out: no loop; the test checks the five): it fits on every
+    # checked dimension (disk is not checked with physical-storage admission), and the
+    # reserved total stays within the limit on every one
+    q = wanted.capacity
+    av, am, ad, ai, ao = (a["vcpu_count"], a["memory_bytes"], a["disk_bytes"],
+                          a["instances"], a["operations"])  # fmt: skip
+    rv, rm, rd, ri, ro = (r["vcpu_count"], r["memory_bytes"], r["disk_bytes"],
+                          r["instances"], r["operations"])  # fmt: skip
     return not (
-        q.vcpu_count > a.vcpu_count - r.vcpu_count
-        or q.memory_bytes > a.memory_bytes - r.memory_bytes
-        or (q.disk_bytes > a.disk_bytes - r.disk_bytes
+        q.vcpu_count > av - rv
+        or q.memory_bytes > am - rm
+        or (q.disk_bytes > ad - rd
             and CAPABILITY_PHYSICAL_STORAGE_ADMISSION not in capabilities)
-        or q.instances > a.instances - r.instances
-        or q.operations > a.operations - r.operations
-        or r.vcpu_count + q.vcpu_count > MAX_RESERVED_TOTAL
-        or r.memory_bytes + q.memory_bytes > MAX_RESERVED_TOTAL
-        or r.disk_bytes + q.disk_bytes > MAX_RESERVED_TOTAL
-        or r.instances + q.instances > MAX_RESERVED_TOTAL
-        or r.operations + q.operations > MAX_RESERVED_TOTAL
+        or q.instances > ai - ri
+        or q.operations > ao - ro
+        or rv + q.vcpu_count > MAX_RESERVED_TOTAL
+        or rm + q.memory_bytes > MAX_RESERVED_TOTAL
+        or rd + q.disk_bytes > MAX_RESERVED_TOTAL
+        or ri + q.instances > MAX_RESERVED_TOTAL
+        or ro + q.operations > MAX_RESERVED_TOTAL
     )  # fmt: skip
 
 

@@ -40,7 +40,8 @@ from secondbox_scheduler.infrastructure.audit.snapshot_check import SnapshotChec
 MAGIC = b"secondbox-fold-state-v1\n"
 MAX_STATE_BYTES = 4 << 30
 # attributes that are the fold's machinery, not its state (rebuilt on restore)
-TRANSIENT = {"_handlers", "_current", "_stream", "_names", "auditor_clock", "_requirements_seen"}
+TRANSIENT = {"_handlers", "_current", "_stream", "_names", "auditor_clock", "_requirements_seen",
+             "_numbered"}  # fmt: skip
 SAFE_GLOBALS = {
     "builtins": {"set", "frozenset", "tuple", "list", "dict", "bytes", "bytearray", "int",
                  "str", "float", "bool", "complex", "object", "slice", "range"},
