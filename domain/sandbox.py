@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import hmac
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Unpack, cast
 
@@ -58,6 +59,7 @@ from secondbox_scheduler.domain.placement.evidence import (
 )
 from secondbox_scheduler.domain.placement.rules import (
     RULES_VERSION,
+    PlacementDecision,
     decide,
     home_decision_record,
     passes_every_rule,
@@ -79,6 +81,44 @@ from secondbox_scheduler.domain.values import (
 )
 
 TOKEN_REUSED = "must differ from every earlier token of this sandbox"
+
+
+@dataclass(frozen=True)
+class HomeChoice:
+    """A home decision (``select_runner``'s, over ``decision``'s candidates) with the
+    evidence a creation records for it, made once and shared by the creations of the
+    same requirements over the same candidates at the same instant and heartbeat
+    timeout (:meth:`Sandbox.create_at_home`): each records what its own
+    :meth:`Sandbox.create` would. The evidence record is built once, on first use, and
+    shared by those creations' events (records are never changed in place)."""
+
+    requirements: Requirements
+    decision: PlacementDecision
+    now: datetime
+    heartbeat_timeout: timedelta
+    _record: list[HomeDecisionRecord] = field(default_factory=list, compare=False, repr=False)
+
+    @classmethod
+    def decided(
+        cls,
+        requirements: Requirements,
+        runners: Sequence[RunnerSnapshot],
+        now: datetime,
+        heartbeat_timeout: timedelta,
+        unlisted: Unlisted | None = None,
+    ) -> HomeChoice:
+        """The placement rules' decision over ``runners`` (``unlisted``: the pool's
+        others, counted), as :meth:`Sandbox.create` makes it."""
+        decision = decide(requirements, runners, now, heartbeat_timeout, unlisted)
+        return cls(requirements, decision, now, heartbeat_timeout)
+
+    def record(self) -> HomeDecisionRecord:
+        """The evidence of the decision (docs/events.md 7.3); only for a runner chosen."""
+        if not self._record:
+            self._record.append(
+                home_decision_record(self.decision, self.now, self.heartbeat_timeout)
+            )
+        return self._record[0]
 
 
 class Sandbox(Aggregate):
@@ -147,20 +187,45 @@ class Sandbox(Aggregate):
         :class:`domain.placement.Unlisted`). The recorded evidence is bounded: the
         chosen runner, a few runners per combination of reasons, counts for the rest.
         """
-        decision = decide(requirements, runners, now, heartbeat_timeout, unlisted)
+        choice = HomeChoice.decided(requirements, runners, now, heartbeat_timeout, unlisted)
+        return cls.create_at_home(
+            sandbox_id=sandbox_id,
+            workspace_id=workspace_id,
+            profile_revision_id=profile_revision_id,
+            requirements=requirements,
+            choice=choice,
+        )
+
+    @classmethod
+    def create_at_home(
+        cls,
+        *,
+        sandbox_id: str,
+        workspace_id: str,
+        profile_revision_id: str,
+        requirements: Requirements,
+        choice: HomeChoice,
+    ) -> Sandbox:
+        """:meth:`create` with its home decision already made (:class:`HomeChoice`):
+        creations of the same requirements over the same candidates, instant and
+        heartbeat timeout share one decision, and each records what :meth:`create`
+        would (a creation batch: ``infrastructure/creating/batch.py``). ``choice`` must
+        have been decided for these ``requirements``; a refused one raises its refusal."""
+        if choice.requirements != requirements:
+            raise ValueError("a home choice decided for other requirements")
+        decision = choice.decision
         if decision.chosen is None:
             raise refusal(decision)
-        home_decision = home_decision_record(decision, now, heartbeat_timeout)
         return cls._create(
             cls.Created,
             id=sandbox_uuid(sandbox_id),
-            timestamp=now,
+            timestamp=choice.now,
             sandbox_id=sandbox_id,
             workspace_id=workspace_id,
             profile_revision_id=profile_revision_id,
             requirements=requirements.to_record(),
             home_runner_id=decision.chosen.id,
-            home_decision=home_decision,
+            home_decision=choice.record(),
         )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Sandbox:

@@ -24,11 +24,14 @@ from secondbox_scheduler.domain.errors import (
     SchedulerError,
 )
 from secondbox_scheduler.domain.ids import refusal_log_uuid, sandbox_uuid
+from secondbox_scheduler.domain.placement.evidence import Unlisted
+from secondbox_scheduler.domain.sandbox import HomeChoice, Sandbox
 from secondbox_scheduler.domain.values import Requirements
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.acting import acting_as
 from secondbox_scheduler.infrastructure.creating.batch import CreateBatch, Created, CreateRequest
 from secondbox_scheduler.infrastructure.creating.batcher import CreateBatcher
+from secondbox_scheduler.testing.builders import T0, compatible_runner
 from tests.conftest import Clock, Store
 from tests.factories import HEARTBEAT_TIMEOUT, capacity, register, schedule_request
 from tests.factories import requirements as profile
@@ -307,3 +310,51 @@ def test_batching_off_creates_alone(store: Store, clock: Clock) -> None:
 def test_a_batch_size_below_one_is_refused(size: int) -> None:
     with pytest.raises(ValueError, match="at least 1"):
         CreateBatcher(lambda requests: [], size=size)
+
+
+def test_a_shared_home_choice_records_what_each_creation_alone_does() -> None:
+    """``Sandbox.create_at_home`` with one ``HomeChoice`` for several sandboxes (a
+    batch's one decision per search) records for each the home and evidence that
+    ``Sandbox.create`` over the same candidates records; a refused choice raises the
+    same refusal; a choice made for other requirements is refused."""
+    wanted = profile()
+    runners = [
+        compatible_runner(wanted, "r-small"),
+        compatible_runner(wanted, "r-big", allocatable=capacity(instances=40)),
+        compatible_runner(wanted, "r-drained", drain_phase="drained"),
+    ]
+    unlisted = Unlisted(refused=3, not_evaluated=2, reasons={"draining": 3})
+    choice = HomeChoice.decided(wanted, runners, T0, HEARTBEAT_TIMEOUT, unlisted)
+    for sandbox_id in ("s-1", "s-2"):
+        alone = Sandbox.create(
+            sandbox_id=sandbox_id, workspace_id="w", profile_revision_id="p",
+            requirements=wanted, runners=runners, now=T0,
+            heartbeat_timeout=HEARTBEAT_TIMEOUT, unlisted=unlisted,
+        )  # fmt: skip
+        shared = Sandbox.create_at_home(
+            sandbox_id=sandbox_id, workspace_id="w", profile_revision_id="p",
+            requirements=wanted, choice=choice,
+        )  # fmt: skip
+        assert shared.home_runner_id == alone.home_runner_id == "r-big"
+        (created_alone,) = alone.collect_events()
+        (created_shared,) = shared.collect_events()
+        assert vars(created_shared) == vars(created_alone)
+    gpu = profile(required_capabilities=frozenset({"gpu"}))
+    refused = HomeChoice.decided(gpu, runners, T0, HEARTBEAT_TIMEOUT)
+    with pytest.raises(NoCompatibleRunnerError) as alone_error:
+        Sandbox.create(
+            sandbox_id="s-3", workspace_id="w", profile_revision_id="p", requirements=gpu,
+            runners=runners, now=T0, heartbeat_timeout=HEARTBEAT_TIMEOUT,
+        )  # fmt: skip
+    with pytest.raises(NoCompatibleRunnerError) as shared_error:
+        Sandbox.create_at_home(
+            sandbox_id="s-3", workspace_id="w", profile_revision_id="p", requirements=gpu,
+            choice=refused,
+        )  # fmt: skip
+    assert str(shared_error.value) == str(alone_error.value)
+    assert shared_error.value.evaluations == alone_error.value.evaluations
+    with pytest.raises(ValueError, match="other requirements"):
+        Sandbox.create_at_home(
+            sandbox_id="s-4", workspace_id="w", profile_revision_id="p", requirements=gpu,
+            choice=choice,
+        )  # fmt: skip

@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from secondbox_scheduler.domain import (
 )
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.projections.read_models import ReadModels, rebuild
+from secondbox_scheduler.projections.sql_view import TIME_FORMAT, text_time, time_text
 from secondbox_scheduler.testing import histories, run_history
 from secondbox_scheduler.testing.strategies import HISTORY_SANDBOXES
 from tests.conftest import Clock, Store
@@ -489,3 +491,34 @@ def test_rebuild_in_small_pages_and_chunks_equals_the_live_read_models(
     assert report.events == app.event_count()
     assert raw_rows(app) == live
     assert projected(app) == folded(app)
+
+
+@given(
+    st.datetimes(timezones=st.just(UTC)),
+    st.integers(min_value=0, max_value=27),
+    st.sampled_from("0123456789-:.TZ+ ,x\u0661"),
+)
+def test_stored_times_read_back_as_strptime_reads_them(
+    moment: datetime, at: int, character: str
+) -> None:
+    """``text_time`` reads the texts ``time_text`` writes with ``fromisoformat`` (fast):
+    the same value and zone as ``strptime`` of ``TIME_FORMAT`` gives; a text of another
+    shape (one character changed, or one more) is read as ``strptime`` reads it (the
+    same value, or both refuse it)."""
+    text = time_text(moment)
+    assert text is not None
+    expected = datetime.strptime(text, TIME_FORMAT).replace(tzinfo=UTC)
+    read = text_time(text)
+    assert read == expected == moment
+    assert read is not None
+    assert read.tzinfo is expected.tzinfo
+    changed = text[:at] + character + text[at + 1 :]
+    try:
+        strict: datetime | None = datetime.strptime(changed, TIME_FORMAT).replace(tzinfo=UTC)
+    except ValueError:
+        strict = None
+    try:
+        fast: datetime | None = text_time(changed)
+    except ValueError:
+        fast = None
+    assert fast == strict

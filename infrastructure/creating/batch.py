@@ -11,8 +11,9 @@ of its requirements (docs/spec.md, section 8.1: the read model's candidates, the
 chosen runner checked against its aggregates, :mod:`..home_check`). A creation changes
 no runner row (``Sandbox.Created`` is ignored by the runner snapshots projection), so
 the creations before it in a serial execution would leave every candidate as it is:
-creations of the same requirements and heartbeat timeout share one search, and each
-records exactly the home and the evidence its own call would at that instant. The
+creations of the same requirements and heartbeat timeout share one search and one
+decision of the placement rules over its candidates (``HomeChoice``), and each records
+exactly the home and the evidence its own call would at that instant. The
 batcher never puts two creations of one sandbox id in one batch (the second waits for
 the next, where it finds the first recorded).
 
@@ -46,7 +47,7 @@ from secondbox_scheduler.domain.errors import (
 from secondbox_scheduler.domain.ids import sandbox_uuid
 from secondbox_scheduler.domain.placement.evidence import Unlisted
 from secondbox_scheduler.domain.refusals import OPERATION_CREATE, Refusal
-from secondbox_scheduler.domain.sandbox import Sandbox
+from secondbox_scheduler.domain.sandbox import HomeChoice, Sandbox
 from secondbox_scheduler.domain.values import Requirements, RunnerSnapshot, require_text
 from secondbox_scheduler.infrastructure.acting import stamp
 
@@ -178,27 +179,26 @@ class CreateBatch:
         now = self.store.now()
         queries = self.store.queries
         queries.runner_snapshots_now()  # caught up once for the whole batch
-        searched: list[tuple[Requirements, timedelta, tuple[list[RunnerSnapshot], Unlisted]]] = []
+        searched: list[tuple[Requirements, timedelta, HomeChoice]] = []
         sandboxes: dict[int, Sandbox] = {}
         refusals: list[Refusal] = []
         for index in new:
             request = requests[index]
             wanted, timeout = request.requirements, request.heartbeat_timeout
             try:
-                found = next((c for r, t, c in searched if t == timeout and r == wanted), None)
-                if found is None:
-                    found = queries.home_candidates(wanted, now, timeout, catch_up=False)
-                    searched.append((wanted, timeout, found))
-                runners, unlisted = found
-                sandbox = Sandbox.create(
+                choice = next((c for r, t, c in searched if t == timeout and r == wanted), None)
+                if choice is None:  # one search and one decision per requirements
+                    runners, unlisted = queries.home_candidates(
+                        wanted, now, timeout, catch_up=False
+                    )
+                    choice = HomeChoice.decided(wanted, runners, now, timeout, unlisted)
+                    searched.append((wanted, timeout, choice))
+                sandbox = Sandbox.create_at_home(
                     sandbox_id=request.sandbox_id,
                     workspace_id=request.workspace_id,
                     profile_revision_id=request.profile_revision_id,
                     requirements=wanted,
-                    runners=runners,
-                    now=now,
-                    heartbeat_timeout=timeout,
-                    unlisted=unlisted,
+                    choice=choice,
                 )
             except PlacementError as error:
                 refusals.append(
