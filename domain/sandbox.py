@@ -8,17 +8,16 @@ released once, with proof (6). Every runner-facing command checks generation and
 fencing token first and raises :class:`StaleFenceError` before changing anything.
 
 The state is bounded: the current generation's assignment, not every past one (past
-generations stay in the events and in the assignments read model;
-:func:`assignment_history` folds them from the events). Class version 2; version 1
-(release 0.1) kept every assignment and token, and its snapshots are upcast.
+generations stay in the events and the assignments read model; :mod:`.assignment_history`
+folds them). Class version 2; version 1 (release 0.1) kept every assignment and token,
+and its snapshots are upcast.
 """
 
 from __future__ import annotations
 
 import copy
 import hmac
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Unpack, cast
 
@@ -57,11 +56,9 @@ from secondbox_scheduler.domain.placement.evidence import (
     Unlisted,
     decision_record,
 )
+from secondbox_scheduler.domain.placement.home_choice import HomeChoice
 from secondbox_scheduler.domain.placement.rules import (
     RULES_VERSION,
-    PlacementDecision,
-    decide,
-    home_decision_record,
     passes_every_rule,
     refusal,
     select_home_runner,
@@ -83,44 +80,6 @@ from secondbox_scheduler.domain.values import (
 TOKEN_REUSED = "must differ from every earlier token of this sandbox"
 
 
-@dataclass(frozen=True)
-class HomeChoice:
-    """A home decision (``select_runner``'s, over ``decision``'s candidates) with the
-    evidence a creation records for it, made once and shared by the creations of the
-    same requirements over the same candidates at the same instant and heartbeat
-    timeout (:meth:`Sandbox.create_at_home`): each records what its own
-    :meth:`Sandbox.create` would. The evidence record is built once, on first use, and
-    shared by those creations' events (records are never changed in place)."""
-
-    requirements: Requirements
-    decision: PlacementDecision
-    now: datetime
-    heartbeat_timeout: timedelta
-    _record: list[HomeDecisionRecord] = field(default_factory=list, compare=False, repr=False)
-
-    @classmethod
-    def decided(
-        cls,
-        requirements: Requirements,
-        runners: Sequence[RunnerSnapshot],
-        now: datetime,
-        heartbeat_timeout: timedelta,
-        unlisted: Unlisted | None = None,
-    ) -> HomeChoice:
-        """The placement rules' decision over ``runners`` (``unlisted``: the pool's
-        others, counted), as :meth:`Sandbox.create` makes it."""
-        decision = decide(requirements, runners, now, heartbeat_timeout, unlisted)
-        return cls(requirements, decision, now, heartbeat_timeout)
-
-    def record(self) -> HomeDecisionRecord:
-        """The evidence of the decision (docs/events.md 7.3); only for a runner chosen."""
-        if not self._record:
-            self._record.append(
-                home_decision_record(self.decision, self.now, self.heartbeat_timeout)
-            )
-        return self._record[0]
-
-
 class Sandbox(Aggregate):
     """A sandbox's pinned profile revision, home runner and current assignment."""
 
@@ -131,9 +90,8 @@ class Sandbox(Aggregate):
 
     @staticmethod
     def upcast_v1_v2(state: dict[str, Any]) -> None:
-        """Release 0.1 kept every generation's assignment, every token and every
-        operation window; keep the current generation's, and the tokens as legacy tokens
-        (0.1 wrote no token index)."""
+        """Release 0.1 kept every generation's assignment, token and operation window:
+        keep the current generation's, the tokens as legacy ones (0.1 had no index)."""
         assignments = state.pop("assignments", {})
         windows = state.pop("operation_windows", {})
         generation = str(state["generation"])
@@ -182,10 +140,9 @@ class Sandbox(Aggregate):
     ) -> Sandbox:
         """Choose the home runner as ``select_runner`` would, and record why.
 
-        ``runners`` are the candidates a store's prefilter let through (or the whole
-        pool); ``unlisted`` counts the pool's other runners (see
-        :class:`domain.placement.Unlisted`). The recorded evidence is bounded: the
-        chosen runner, a few runners per combination of reasons, counts for the rest.
+        ``runners``: the candidates a store's prefilter let through (or the whole pool);
+        ``unlisted`` counts the pool's others (:class:`domain.placement.Unlisted`). The
+        evidence is bounded: the chosen runner, a few per combination of reasons, counts.
         """
         choice = HomeChoice.decided(requirements, runners, now, heartbeat_timeout, unlisted)
         return cls.create_at_home(
@@ -206,11 +163,9 @@ class Sandbox(Aggregate):
         requirements: Requirements,
         choice: HomeChoice,
     ) -> Sandbox:
-        """:meth:`create` with its home decision already made (:class:`HomeChoice`):
-        creations of the same requirements over the same candidates, instant and
-        heartbeat timeout share one decision, and each records what :meth:`create`
-        would (a creation batch: ``infrastructure/creating/batch.py``). ``choice`` must
-        have been decided for these ``requirements``; a refused one raises its refusal."""
+        """:meth:`create` with its home decision already made and shared
+        (:mod:`.placement.home_choice`), recording what :meth:`create` would. ``choice``
+        must be for these ``requirements``; a refused one raises its refusal."""
         if choice.requirements != requirements:
             raise ValueError("a home choice decided for other requirements")
         decision = choice.decision
@@ -230,10 +185,8 @@ class Sandbox(Aggregate):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Sandbox:
         """The copy a command works on (the repository copies cached aggregates).
-
-        Events replace the values in the records rather than change them in place, so
-        the copy shares them and copies only what events change in place: the current
-        assignment record (``_touch`` updates it) and the legacy tokens (appended to).
+        Events replace the records' values, so the copy shares them and copies only
+        what events change in place: the current record (``_touch``), the legacy tokens.
         """
         clone = copy.copy(self)
         clone.current = None if self.current is None else self.current.copy()
@@ -374,7 +327,7 @@ class Sandbox(Aggregate):
 
     def assignment(self, generation: int | None = None) -> AssignmentRecord | None:
         """The current generation's assignment (None for another generation: past ones
-        are in the events, see :func:`assignment_history`)."""
+        are in the events, see :mod:`.assignment_history`)."""
         if generation is not None and generation != self.generation:
             return None
         return self.current
@@ -410,10 +363,9 @@ class Sandbox(Aggregate):
         attempt: int,
         clock: datetime,
     ) -> tuple[AssignmentRecord, FencingTokenUse]:
-        """Fence this generation's assignment on the home runner, or refuse. Returns the
-        assignment record and the token's use, to be saved with this sandbox (a token
-        used by an earlier generation collides with its stream). ``clock``: the
-        application's clock at the decision, recorded beside the request's time."""
+        """Fence this generation's assignment on the home runner, or refuse: the record
+        and the token's use, saved with this sandbox (an earlier generation's token
+        collides with its stream). ``clock``: the application's, recorded beside."""
         self.check_pinned(request)
         if self.current is not None:
             raise AlreadyExistsError(
@@ -423,9 +375,8 @@ class Sandbox(Aggregate):
         if token in self.legacy_tokens:
             raise InvalidRequestError("fencing_token", TOKEN_REUSED)
         assert request.now is not None
-        # check_pinned found the request's requirements to be the pinned record: the
-        # request's value is the pinned one (a record parses back to the value it was
-        # dumped from), without parsing the record again
+        # check_pinned found the request's requirements equal to the pinned record: the
+        # request's value is the pinned one (a record parses back to its value)
         requirements = request.requirements
         # the home runner passing every rule in one go is what the rules' evaluation of
         # it would find (``passes_every_rule``); anything else, they name its failures
@@ -647,16 +598,3 @@ class Sandbox(Aggregate):
             )
         self.trigger_event(self.GenerationAdvanced, timestamp=at, generation=generation + 1)
         return generation + 1
-
-
-def assignment_history(events: Iterable[Any]) -> dict[int, AssignmentRecord]:
-    """Every generation's assignment record, folded from a sandbox's events (from its
-    first event; a snapshot holds only the current generation)."""
-    sandbox: Sandbox | None = None
-    records: dict[int, AssignmentRecord] = {}
-    for event in events:
-        sandbox = event.mutate(sandbox)
-        if isinstance(event, Sandbox.AssignmentFenced) and sandbox is not None:
-            assert sandbox.current is not None
-            records[sandbox.current["generation"]] = sandbox.current  # changed in place later
-    return records

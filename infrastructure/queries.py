@@ -12,12 +12,13 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from secondbox_scheduler.domain.assignment import AssignmentRecord, to_durable_assignment
+from secondbox_scheduler.domain.assignment_history import assignment_history
 from secondbox_scheduler.domain.errors import RunnerNotFoundError, SandboxNotFoundError
 from secondbox_scheduler.domain.ids import lease_uuid, runner_uuid, sandbox_uuid
 from secondbox_scheduler.domain.lease import RunnerLease
 from secondbox_scheduler.domain.placement.evidence import Unlisted
 from secondbox_scheduler.domain.runner import Runner
-from secondbox_scheduler.domain.sandbox import Sandbox, assignment_history
+from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.domain.values import (
     DurableAssignment,
     Requirements,

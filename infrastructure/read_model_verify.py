@@ -33,10 +33,11 @@ from uuid import UUID
 from pydantic import BaseModel
 
 from secondbox_scheduler.domain.assignment import to_durable_assignment
+from secondbox_scheduler.domain.assignment_history import assignment_history
 from secondbox_scheduler.domain.ids import lease_uuid
 from secondbox_scheduler.domain.lease import RunnerLease
 from secondbox_scheduler.domain.runner import Runner
-from secondbox_scheduler.domain.sandbox import Sandbox, assignment_history
+from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.infrastructure.store.application_store import StoredApplication
 from secondbox_scheduler.projections.assignments import row_to_assignment
 from secondbox_scheduler.projections.notification_reader import read_pages

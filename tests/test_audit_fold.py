@@ -15,11 +15,12 @@ from typing import Any
 
 import pytest
 
+from secondbox_scheduler.domain.assignment_history import assignment_history
 from secondbox_scheduler.domain.audit.fold import AuditFold
 from secondbox_scheduler.domain.lease import RunnerLease
 from secondbox_scheduler.domain.refusals import RefusalLog
 from secondbox_scheduler.domain.runner import Runner
-from secondbox_scheduler.domain.sandbox import Sandbox, assignment_history
+from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.domain.values import Capacity
 from tests.aggregates import (
     CAPABILITIES,

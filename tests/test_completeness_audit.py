@@ -17,12 +17,13 @@ from eventsourcing.domain import Aggregate
 from eventsourcing.utils import get_topic
 
 from secondbox_scheduler.domain.access_tokens import AccessTokens
+from secondbox_scheduler.domain.assignment_history import assignment_history
 from secondbox_scheduler.domain.audit.fold import AuditFold
 from secondbox_scheduler.domain.audit.state import Violation
 from secondbox_scheduler.domain.cell_claims import CellClaim
 from secondbox_scheduler.domain.event_catalogue import event_classes, event_name, unaccounted
 from secondbox_scheduler.domain.refusals import RefusalLog
-from secondbox_scheduler.domain.sandbox import Sandbox, assignment_history
+from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.audit.verify import verify
 from tests.aggregates import (

@@ -25,7 +25,8 @@ from secondbox_scheduler.domain.errors import (
 )
 from secondbox_scheduler.domain.ids import refusal_log_uuid, sandbox_uuid
 from secondbox_scheduler.domain.placement.evidence import Unlisted
-from secondbox_scheduler.domain.sandbox import HomeChoice, Sandbox
+from secondbox_scheduler.domain.placement.home_choice import HomeChoice
+from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.domain.values import Requirements
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.acting import acting_as

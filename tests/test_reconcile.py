@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from secondbox_scheduler.domain import ScheduleRequest, SchedulerError, StaleFenceError
+from secondbox_scheduler.domain.assignment_history import assignment_history
 from secondbox_scheduler.domain.errors import ReconcileClaimError
 from secondbox_scheduler.domain.ids import runner_uuid, sandbox_uuid
 from secondbox_scheduler.domain.reconcile import (
@@ -24,7 +25,7 @@ from secondbox_scheduler.domain.reconcile import (
     decide_reconcile,
 )
 from secondbox_scheduler.domain.runner import Runner
-from secondbox_scheduler.domain.sandbox import Sandbox, assignment_history
+from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.infrastructure import SchedulerApplication
 from secondbox_scheduler.infrastructure.reconciler import Reconciler
 from tests.conftest import Clock

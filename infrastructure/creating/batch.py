@@ -46,8 +46,9 @@ from secondbox_scheduler.domain.errors import (
 )
 from secondbox_scheduler.domain.ids import sandbox_uuid
 from secondbox_scheduler.domain.placement.evidence import Unlisted
+from secondbox_scheduler.domain.placement.home_choice import HomeChoice
 from secondbox_scheduler.domain.refusals import OPERATION_CREATE, Refusal
-from secondbox_scheduler.domain.sandbox import HomeChoice, Sandbox
+from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.domain.values import Requirements, RunnerSnapshot, require_text
 from secondbox_scheduler.infrastructure.acting import stamp
 
