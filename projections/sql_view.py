@@ -21,7 +21,7 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import UTC, datetime
 from typing import Any, ClassVar, TypeVar
 
@@ -52,7 +52,8 @@ def time_text(value: datetime | None) -> str | None:
 def text_time(value: str | None) -> datetime | None:
     """The time of a text :func:`time_text` wrote (``TIME_FORMAT``), in UTC. That exact
     shape is read by ``datetime.fromisoformat`` (the same value, about 40 times faster
-    than ``strptime``, which was half of a runner row's parsing); any other text by
+    than ``strptime``, which was half of a runner row's parsing); any other text, and one
+    of that shape ``fromisoformat`` refuses (``strptime`` takes a space-padded field), by
     ``strptime``, as before."""
     if value is None:
         return None
@@ -64,7 +65,8 @@ def text_time(value: str | None) -> datetime | None:
         and value[19] == "."
         and value.isascii()
     ):
-        return datetime.fromisoformat(value)  # "Z": tzinfo UTC (datetime.UTC)
+        with suppress(ValueError):
+            return datetime.fromisoformat(value)  # "Z": tzinfo UTC (datetime.UTC)
     return datetime.strptime(value, TIME_FORMAT).replace(tzinfo=UTC)
 
 
