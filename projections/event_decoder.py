@@ -97,17 +97,35 @@ class EventDecoder:
         self._convert = _converter(self._decoders)
 
     def __call__(self, stored: StoredEvent) -> Any:
+        return self.parts(
+            stored.topic, stored.originator_id, stored.originator_version, stored.state, stored
+        )
+
+    def row(self, row: tuple[int, Any, int, str, Any]) -> Any:
+        """The event of a notification given as its row (position, originator id,
+        version, topic, state: ``notification_reader.Row``)."""
+        return self.parts(row[3], row[1], row[2], row[4], None)
+
+    def parts(
+        self,
+        topic: str,
+        originator_id: Any,
+        originator_version: int,
+        raw: Any,
+        stored: StoredEvent | None,
+    ) -> Any:
+        """The event of a stored event's fields (``stored``: the stored event itself,
+        when there is one, for the mapper; else one is made when the mapper is needed)."""
         try:
-            entry = self._topics[stored.topic]
+            entry = self._topics[topic]
         except KeyError:
-            entry = self._learn(stored.topic)
-        if entry is None or type(stored.originator_id) is not UUID:
-            return self.mapper.to_domain_event(stored)
+            entry = self._learn(topic)
+        if entry is None or type(originator_id) is not UUID:
+            return self._mapped(topic, originator_id, originator_version, raw, stored)
         try:
-            raw = stored.state
             state = orjson.loads(raw)
             if type(state) is not dict:
-                return self.mapper.to_domain_event(stored)
+                return self._mapped(topic, originator_id, originator_version, raw, stored)
             paths = entry.paths
             done = paths is not None and self._at_paths(state, paths, raw)
             if done is None:  # not where this topic's were: learn, from a fresh reading
@@ -115,11 +133,11 @@ class EventDecoder:
                 self._learn_paths(entry, state)
             if not done:
                 self._convert(state)
-        except Exception:
-            return self.mapper.to_domain_event(stored)  # the mapper's result or error
+        except Exception:  # the mapper's result or error
+            return self._mapped(topic, originator_id, originator_version, raw, stored)
         cls = entry.cls
-        state["originator_id"] = entry.convert_id(stored.originator_id)
-        state["originator_version"] = stored.originator_version
+        state["originator_id"] = entry.convert_id(originator_id)
+        state["originator_version"] = originator_version
         version = state.pop("class_version", 1)
         while version < entry.class_version:
             getattr(cls, f"upcast_v{version}_v{version + 1}")(state)
@@ -127,6 +145,24 @@ class EventDecoder:
         event = object.__new__(cls)
         object.__setattr__(event, "__dict__", state)
         return event
+
+    def _mapped(
+        self,
+        topic: str,
+        originator_id: Any,
+        originator_version: int,
+        raw: Any,
+        stored: StoredEvent | None,
+    ) -> Any:
+        """The mapper's event (or error) for these fields."""
+        if stored is None:
+            stored = StoredEvent(
+                originator_id=originator_id,
+                originator_version=originator_version,
+                topic=topic,
+                state=raw,
+            )
+        return self.mapper.to_domain_event(stored)
 
     def _at_paths(self, state: dict[str, Any], paths: tuple[Path, ...], raw: Any) -> bool | None:
         """Convert the transcoder's objects at ``paths`` in place; True when that is

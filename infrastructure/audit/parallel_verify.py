@@ -64,7 +64,7 @@ from secondbox_scheduler.infrastructure.settings import BATCHING, READ_MODELS, R
 from secondbox_scheduler.infrastructure.store.chain_reads import select_links
 from secondbox_scheduler.infrastructure.store.chain_tables import ChainedRecorder
 from secondbox_scheduler.projections.event_decoder import EventDecoder
-from secondbox_scheduler.projections.notification_reader import gc_paused, read_pages
+from secondbox_scheduler.projections.notification_reader import gc_paused, read_rows
 
 MAX_WORKERS = 3  # the fold, the chain and Merkle tree, the snapshot check
 
@@ -129,7 +129,7 @@ def fold_part(
     violations: list[Violation] = []
     read = last = 0
     with gc_paused():
-        pages = read_pages(
+        pages = read_rows(
             recorder,
             after=0,
             until=read_until,
@@ -137,23 +137,24 @@ def fold_part(
             first_page_size=PAGE,
             read_ahead=True,
         )
+        decode_row, apply = decode.row, audit.apply
         for page in pages:
-            for notification in page:
-                position = notification.id
+            for row in page:
                 event: Any = None
                 try:
-                    event = decode(notification)
+                    event = decode_row(row)
                 except Exception as error:
-                    violations.append(unreadable(notification, error))
+                    violations.append(unreadable(row, error))
                 if event is not None:
                     try:
-                        audit.apply(position, event)
+                        apply(row[0], event)
                     except Exception as error:
-                        violations.append(unfoldable(notification, event, error))
-                read += 1
-                if read % PAGE == 0:
-                    progress(PAGE)
-            last = page[-1].id
+                        violations.append(unfoldable(row, event, error))
+            # progress every PAGE events, as the serial verify reports it
+            for _ in range((read + len(page)) // PAGE - read // PAGE):
+                progress(PAGE)
+            read += len(page)
+            last = page[-1][0]
         try:
             # a cut may fall inside a transaction: the event past it may complete it
             audit.finish(None if stop is None else event_after(app, last))
@@ -194,7 +195,7 @@ def row_part(
     wanted: dict[Any, int] = {}
     last = 0
     with gc_paused():
-        pages = read_pages(
+        pages = read_rows(
             recorder,
             after=0,
             until=read_until,
@@ -203,28 +204,27 @@ def row_part(
             read_ahead=True,
         )
         for page in pages:
-            links = select_links(recorder, last, page[-1].id) if chained else []
+            end = page[-1][0]
+            links = select_links(recorder, last, end) if chained else []
             if check is not None:
-                check.page(last, page[-1].id)
+                check.page(last, end)
                 wanted = check.last
             index = 0
-            for notification in page:
-                position = notification.id
+            for row in page:
                 if chain:
-                    index, link = link_at(verifier, links, index, position)
-                    feed_row(verifier, refold, notification, link, chained)
+                    index, link = link_at(verifier, links, index, row[0])
+                    feed_row(verifier, refold, row, link, chained)
                 if check is not None and (
-                    notification.originator_id in wanted
-                    or type(notification.originator_id) is not UUID
+                    row[1] in wanted or type(row[1]) is not UUID
                 ):  # the check passes over the events of streams without snapshots
                     try:
-                        event: Any = decode(notification)
+                        event: Any = decode.row(row)
                     except Exception:  # unreadable: the fold names it
                         continue
                     check.apply(event)
             for link in links[index:]:
                 verifier.feed(None, link)
-            last = page[-1].id
+            last = end
         if chained:
             for link in select_links(recorder, last, stop):
                 verifier.feed(None, link)  # links after the last event: deleted, or strays

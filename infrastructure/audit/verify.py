@@ -53,7 +53,7 @@ from secondbox_scheduler.infrastructure.audit.streams import outside_log
 from secondbox_scheduler.infrastructure.store.chain_reads import chain_head, select_links
 from secondbox_scheduler.infrastructure.store.chain_tables import ChainedRecorder
 from secondbox_scheduler.projections.event_decoder import EventDecoder
-from secondbox_scheduler.projections.notification_reader import gc_paused, read_pages
+from secondbox_scheduler.projections.notification_reader import gc_paused, read_rows
 from secondbox_scheduler.projections.read_models import RebuildReport, read_raw
 
 
@@ -275,7 +275,7 @@ def _checked_fold(
     state_bytes: bytes | None = None
     finished = False
     with gc_paused():
-        pages = read_pages(
+        pages = read_rows(
             recorder,
             after=last,
             until=stop,
@@ -284,26 +284,27 @@ def _checked_fold(
             read_ahead=True,
         )
         for page in pages:
-            links = select_links(recorder, last, page[-1].id) if chained else []
-            snapshots.page(last, page[-1].id)
+            end = page[-1][0]
+            links = select_links(recorder, last, end) if chained else []
+            snapshots.page(last, end)
             index = 0
-            for notification in page:
-                position = notification.id
+            for row in page:
+                position = row[0]
                 index, link = link_at(verifier, links, index, position)
                 event: Any = None
                 try:
-                    event = decode(notification)
+                    event = decode.row(row)
                 except Exception as error:
-                    violations.append(unreadable(notification, error))
+                    violations.append(unreadable(row, error))
                 if after_time is not None and event is not None and event.timestamp > after_time:
                     finished = True
                     break
-                feed_row(verifier, refold, notification, link, chained)
+                feed_row(verifier, refold, row, link, chained)
                 if event is not None:
                     try:
                         audit.apply(position, event)
                     except Exception as error:
-                        violations.append(unfoldable(notification, event, error))
+                        violations.append(unfoldable(row, event, error))
                     snapshots.apply(event)
                 read += 1
                 if read % PAGE == 0:
@@ -313,7 +314,7 @@ def _checked_fold(
                 break
             for link in links[index:]:
                 verifier.feed(None, link)
-            last = page[-1].id
+            last = end
         if save_state and not finished:
             # the tree size it is sealed at: the signed checkpoint's, where it stopped
             at = max(last, stop) if stop is not None and stop == merkle.stop else last
