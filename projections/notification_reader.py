@@ -126,13 +126,20 @@ def gc_paused() -> Iterator[None]:
     """No cyclic garbage collection inside. A replay allocates hundreds of thousands of
     long-lived objects (decoded events, folded state, rows), on which the collector's
     passes cost a quarter to 40% of the time and free nothing: nothing in a replay
-    makes reference cycles, and reference counting frees the rest."""
+    makes reference cycles, and reference counting frees the rest.
+
+    At the end the objects allocated inside are moved to the oldest generation (frozen,
+    then unfrozen: two list splices), as the passes they skipped would have moved them.
+    Left in the youngest, the first allocation after the pause would run a collection
+    over every one of them: 6% of an audit fold's time (docs/performance-log.md)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if enabled:
+            gc.freeze()
+            gc.unfreeze()
             gc.enable()
 
 
