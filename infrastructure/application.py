@@ -188,6 +188,9 @@ class SchedulerApplication(StoredApplication, QueryMethods):
         locks = getattr(self, "runner_locks", None)
         if locks is not None:
             locks.close()
+        read_models = getattr(self, "read_models", None)
+        if read_models is not None:
+            read_models.close()  # the catch-up gate's session
         super().close()
 
     def attach_metrics(self, registry: CollectorRegistry | None = None) -> PrometheusMetrics:
