@@ -32,14 +32,13 @@ from typing import Any
 
 import psycopg
 from eventsourcing.postgres import PostgresAggregateRecorder
+from psycopg import pq
 from psycopg.sql import SQL, Literal
 
 log = logging.getLogger(__name__)
 
 GATE_WAIT_MS = 100  # longest wait for another replica's catch-up before going on without
-TRY = "SELECT pg_try_advisory_lock(%s)"
-WAIT = "SELECT pg_advisory_lock(%s)"
-UNLOCK = "SELECT pg_advisory_unlock(%s)"
+LOCK_NOT_AVAILABLE = b"55P03"  # SQLSTATE of a lock not granted within lock_timeout
 
 
 def gate_key(namespace: str, application_name: str) -> int:
@@ -83,26 +82,39 @@ class CatchUpGate:
     def _take(self, connection: psycopg.Connection[Any]) -> tuple[bool, bool]:
         """(taken, waited): tried at once, then waited for up to GATE_WAIT_MS."""
         try:
-            row = connection.execute(TRY, (self.key,)).fetchone()
-            if row is not None and row[0]:
+            if self._exec(connection, f"SELECT pg_try_advisory_lock({self.key})") == b"t":
                 return True, False
-            connection.execute(WAIT, (self.key,))
-            return True, True
-        except psycopg.errors.LockNotAvailable:
-            return False, True  # a long catch-up of another's: go on without
+            taken = self._exec(connection, f"SELECT pg_advisory_lock({self.key})")
         except psycopg.Error as error:
             log.info("catch-up gate not taken (%s): catching up without", error)
             self.close()
             return False, True
+        return taken is not None, True  # None: a long catch-up of another's, not waited out
 
     def _release(self, connection: psycopg.Connection[Any]) -> None:
         try:
-            connection.execute(UNLOCK, (self.key,))
+            self._exec(connection, f"SELECT pg_advisory_unlock({self.key})")
         except psycopg.Error:
             self.close()  # its session's end releases the lock
         except BaseException:
             self.close()
             raise
+
+    @staticmethod
+    def _exec(connection: psycopg.Connection[Any], statement: str) -> bytes | None:
+        """One statement of a single value (the key is an integer of ours, written in
+        the text) on the idle autocommit session, through libpq: a catch-up takes and
+        releases the gate each time, and psycopg's cursor costs several times the round
+        trip. The value, or None when the lock was not granted within the timeout; any
+        other failure raises ``psycopg.OperationalError``."""
+        result = connection.pgconn.exec_(statement.encode())
+        if result.status == pq.ExecStatus.TUPLES_OK:
+            value = result.get_value(0, 0)
+            return bytes(value) if value is not None else None
+        if result.error_field(pq.DiagnosticField.SQLSTATE) == LOCK_NOT_AVAILABLE:
+            return None
+        message = result.error_message.decode(errors="replace") or "no result"
+        raise psycopg.OperationalError(message.strip())
 
     def _connect(self) -> psycopg.Connection[Any] | None:
         """The gate's connection (made on first use, autocommit, with the wait as its
