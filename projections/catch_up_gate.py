@@ -17,7 +17,8 @@ session holds it, the catch-up waits up to :data:`GATE_WAIT_MS` for it and then 
 the positions again (the other replica's catch-up has usually covered them), whether
 or not it was granted. Every failure (no connection, a wait that ran out, a broken
 session) means going on without the gate; a connection whose unlock failed is closed,
-so that its lock ends with its session. The key is a 64-bit digest of the events
+so that its lock ends with its session, and after a reconnection of the store the
+session is made anew (``SchedulerApplication.forget_cached``). The key is a 64-bit digest of the events
 table's schema and name and the application's name, so two stores in one database
 never share a gate. SQLite (one writer at a time) and the in-memory store: no gate.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -78,6 +80,13 @@ class CatchUpGate:
         connection, self._connection = self._connection, None
         if connection is not None:
             connection.close()
+
+    def reset(self) -> None:
+        """A new session on next use (the store reconnected to another server: the old
+        session, and its lock, are gone); the old one closes in the background."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            threading.Thread(target=connection.close, daemon=True).start()
 
     def _take(self, connection: psycopg.Connection[Any]) -> tuple[bool, bool]:
         """(taken, waited): tried at once, then waited for up to GATE_WAIT_MS."""

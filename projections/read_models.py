@@ -374,6 +374,10 @@ class ReadModels:
         """Close the catch-up gate's connection (the views use the store's)."""
         self._gate.close()
 
+    def reset_gate(self) -> None:
+        """After a reconnection: the catch-up gate's session is of the lost server."""
+        self._gate.reset()
+
     def wait(self, position: int, timeout: float = 5.0) -> None:
         """Block until every view has applied ``position`` (read-your-writes)."""
         for view in self.views.values():
