@@ -18,9 +18,9 @@ the positions again (the other replica's catch-up has usually covered them), whe
 or not it was granted. Every failure (no connection, a wait that ran out, a broken
 session) means going on without the gate; a connection whose unlock failed is closed,
 so that its lock ends with its session, and after a reconnection of the store the
-session is made anew (``SchedulerApplication.forget_cached``). The key is a 64-bit digest of the events
-table's schema and name and the application's name, so two stores in one database
-never share a gate. SQLite (one writer at a time) and the in-memory store: no gate.
+session is made anew (``SchedulerApplication.forget_cached``). The key is a 64-bit
+digest of the events table's schema and name and the application's name, so two stores
+in one database never share a gate. SQLite (one writer at a time) and the in-memory store: no gate.
 """
 
 from __future__ import annotations
