@@ -174,12 +174,15 @@ class SchedulerApplication(StoredApplication, QueryMethods):
                 self.attach_metrics(metrics_registry)
 
     def forget_cached(self) -> None:
-        """After a reconnection: the aggregates cached and the runner-lock sessions
-        are of the lost server."""
+        """After a reconnection: the aggregates cached, the runner-lock sessions and
+        the catch-up gate's are of the lost server."""
         super().forget_cached()
         locks = getattr(self, "runner_locks", None)
         if locks is not None:
             locks.reset()
+        read_models = getattr(self, "read_models", None)
+        if read_models is not None:
+            read_models.reset_gate()
 
     def close(self) -> None:
         for batcher in (getattr(self, "batcher", None), getattr(self, "creations", None)):
@@ -188,6 +191,9 @@ class SchedulerApplication(StoredApplication, QueryMethods):
         locks = getattr(self, "runner_locks", None)
         if locks is not None:
             locks.close()
+        read_models = getattr(self, "read_models", None)
+        if read_models is not None:
+            read_models.close()  # the catch-up gate's session
         super().close()
 
     def attach_metrics(self, registry: CollectorRegistry | None = None) -> PrometheusMetrics:

@@ -24,6 +24,12 @@ again on that snapshot:
 Whichever way, the runner ``Sandbox.create`` records as the home, and its candidate
 record in the evidence, are the aggregates' at the decision. The other candidates'
 records keep the read model's values (in the fallback, every record is the aggregates').
+
+The check's last decision over the read model's candidates is the one a creation makes
+over the candidates it settles on (``decide`` is a pure function of its arguments):
+:func:`checked_home_decision` hands it over, so that a creation batch does not decide
+again; and the paging's decision over the same candidates (``decided``) is taken as
+the check's first instead of being made twice.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from datetime import datetime, timedelta
 from secondbox_scheduler.domain.errors import RunnerNotFoundError
 from secondbox_scheduler.domain.placement.evidence import RankKey, Unlisted
 from secondbox_scheduler.domain.placement.ranking import rank_key
-from secondbox_scheduler.domain.placement.rules import decide
+from secondbox_scheduler.domain.placement.rules import PlacementDecision, decide, with_unlisted
 from secondbox_scheduler.domain.values import Requirements, RunnerSnapshot
 
 MAX_CHECKS = 4  # runners folded before the pool is folded instead
@@ -51,23 +57,58 @@ def checked_home_candidates(
     fold_pool: Callable[[str], list[RunnerSnapshot]],
     floor: RankKey | None,
 ) -> tuple[list[RunnerSnapshot], Unlisted]:
+    """:func:`checked_home_decision`'s candidates and counts."""
+    runners, counts, _ = checked_home_decision(
+        requirements,
+        candidates,
+        unlisted,
+        now,
+        heartbeat_timeout,
+        fold_runner=fold_runner,
+        fold_pool=fold_pool,
+        floor=floor,
+    )
+    return runners, counts
+
+
+def checked_home_decision(
+    requirements: Requirements,
+    candidates: Sequence[RunnerSnapshot],
+    unlisted: Unlisted,
+    now: datetime,
+    heartbeat_timeout: timedelta,
+    *,
+    fold_runner: Callable[[str], RunnerSnapshot],
+    fold_pool: Callable[[str], list[RunnerSnapshot]],
+    floor: RankKey | None,
+    decided: PlacementDecision | None = None,
+) -> tuple[list[RunnerSnapshot], Unlisted, PlacementDecision | None]:
     """Candidates (and counts of the pool's others) on which the placement rules choose
     a runner whose snapshot is its aggregates' (``fold_runner``; it raises
     ``RunnerNotFoundError`` for a runner gone), or choose nothing because no candidate
     is compatible. The read model's candidates with checked snapshots, or the pool
     folded from the aggregates (``fold_pool``). ``floor``: every passing runner not
     among ``candidates`` ranks at or below it by its row (None: every one is among
-    them; ``projections.candidates.home_candidates``)."""
+    them; ``projections.candidates.home_candidates``). ``decided``: the decision of
+    ``decide`` over ``candidates`` (without ``unlisted``), when the caller made it.
+
+    Also returns the decision ``decide(requirements, runners, now, heartbeat_timeout,
+    unlisted)`` over the candidates and counts returned, when the check made it (None
+    after the fallback to the folded pool)."""
     runners = list(candidates)
     checked: set[str] = set()
     while True:
-        chosen = decide(requirements, runners, now, heartbeat_timeout, unlisted).chosen
+        if decided is not None:  # the paging's, over these very runners
+            decision, decided = with_unlisted(decided, unlisted), None
+        else:
+            decision = decide(requirements, runners, now, heartbeat_timeout, unlisted)
+        chosen = decision.chosen
         if chosen is None:
-            return runners, unlisted
+            return runners, unlisted, decision
         if floor is not None and rank_key(requirements, chosen) >= floor:
             break  # not above the floor: a runner not fetched may rank above it
         if chosen.id in checked:
-            return runners, unlisted
+            return runners, unlisted, decision
         if len(checked) == MAX_CHECKS:
             break
         try:
@@ -76,8 +117,8 @@ def checked_home_candidates(
             break
         checked.add(chosen.id)
         if folded.to_record() == chosen.to_record():
-            return runners, unlisted
+            return runners, unlisted, decision
         if decide(requirements, [folded], now, heartbeat_timeout).chosen is None:
             break  # the aggregates refuse it
         runners = [folded if runner.id == chosen.id else runner for runner in runners]
-    return fold_pool(requirements.pool_name), Unlisted()
+    return fold_pool(requirements.pool_name), Unlisted(), None

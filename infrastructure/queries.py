@@ -17,6 +17,7 @@ from secondbox_scheduler.domain.errors import RunnerNotFoundError, SandboxNotFou
 from secondbox_scheduler.domain.ids import lease_uuid, runner_uuid, sandbox_uuid
 from secondbox_scheduler.domain.lease import RunnerLease
 from secondbox_scheduler.domain.placement.evidence import Unlisted
+from secondbox_scheduler.domain.placement.rules import PlacementDecision
 from secondbox_scheduler.domain.runner import Runner
 from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.domain.values import (
@@ -25,7 +26,7 @@ from secondbox_scheduler.domain.values import (
     RunnerSnapshot,
     require_text,
 )
-from secondbox_scheduler.infrastructure.home_check import checked_home_candidates
+from secondbox_scheduler.infrastructure.home_check import checked_home_decision
 from secondbox_scheduler.infrastructure.store.application_store import StoredApplication
 from secondbox_scheduler.projections.candidates import home_candidates
 from secondbox_scheduler.projections.read_models import ReadModels
@@ -90,16 +91,32 @@ class SchedulerQueries:
         against its aggregates first (:mod:`.home_check`): the home recorded is always
         true by the aggregates. ``catch_up=False``: the caller caught the read models up
         for this decision already (a creation batch, once for all its creations)."""
+        runners, unlisted, _ = self.home_decision(
+            requirements, now, heartbeat_timeout, catch_up=catch_up
+        )
+        return runners, unlisted
+
+    def home_decision(
+        self,
+        requirements: Requirements,
+        now: datetime,
+        heartbeat_timeout: timedelta,
+        *,
+        catch_up: bool = True,
+    ) -> tuple[list[RunnerSnapshot], Unlisted, PlacementDecision | None]:
+        """:meth:`home_candidates`, and the placement rules' decision over them
+        (``decide(requirements, runners, now, heartbeat_timeout, unlisted)``) when the
+        home check made it already (None: the caller decides)."""
         read_models = self.current_read_models() if catch_up else self.read_models
         if read_models is None:
-            return self.fold_runner_snapshots(requirements.pool_name), Unlisted()
+            return self.fold_runner_snapshots(requirements.pool_name), Unlisted(), None
         unmatched = unmatched_candidates(read_models.runners, requirements, now, heartbeat_timeout)
         if unmatched is not None:  # none may match: the refusal's evidence, and no more
-            return unmatched
-        candidates, unlisted, floor = home_candidates(
+            return (*unmatched, None)
+        candidates, unlisted, floor, decided = home_candidates(
             read_models.runners, requirements, now, heartbeat_timeout
         )
-        return checked_home_candidates(
+        return checked_home_decision(
             requirements,
             candidates,
             unlisted,
@@ -108,6 +125,7 @@ class SchedulerQueries:
             floor=floor,
             fold_runner=self.fold_runner,
             fold_pool=self.fold_runner_snapshots,
+            decided=decided,
         )
 
     # -- assignments and runners ---------------------------------------------------

@@ -39,6 +39,7 @@ from secondbox_scheduler.domain.placement.ranking import rank_key
 from secondbox_scheduler.domain.placement.rules import (
     CAPABILITY_COMPUTE,
     CAPABILITY_PHYSICAL_STORAGE_ADMISSION,
+    PlacementDecision,
     decide,
 )
 from secondbox_scheduler.domain.values import (
@@ -59,9 +60,11 @@ def home_candidates(
     requirements: Requirements,
     now: datetime,
     heartbeat_timeout: timedelta,
-) -> tuple[list[RunnerSnapshot], Unlisted, RankKey | None]:
-    """The runners to evaluate for a home decision, counts of the pool's others, and
-    the floor of the runners not fetched.
+) -> tuple[list[RunnerSnapshot], Unlisted, RankKey | None, PlacementDecision | None]:
+    """The runners to evaluate for a home decision, counts of the pool's others, the
+    floor of the runners not fetched, and the placement rules' decision over exactly
+    those runners when the page/stop rule made one (``decide`` without ``unlisted``;
+    None when the rows ran out first), so that the home check need not make it again.
 
     The pool's runners that pass the SQL prefilter, best first by an upper bound of the
     ranking key, a page at a time until the page's last bound ranks below the best
@@ -76,15 +79,17 @@ def home_candidates(
     candidates: list[RunnerSnapshot] = []
     offset, limit = 0, FIRST_PAGE
     floor: RankKey | None = None
+    decision: PlacementDecision | None = None
     while True:
         if offset:
             page = candidate_page(view, requirements, stale_before, offset, limit)
         candidates.extend(snapshot for _, snapshot in page)
         if len(page) < limit:
-            floor = None
+            floor, decision = None, None
             break
         floor = page[-1][0]
-        chosen = decide(requirements, candidates, now, heartbeat_timeout).chosen
+        decision = decide(requirements, candidates, now, heartbeat_timeout)
+        chosen = decision.chosen
         if chosen is not None and floor > rank_key(requirements, chosen):
             break
         offset, limit = offset + limit, limit * 2
@@ -93,7 +98,7 @@ def home_candidates(
         not_evaluated=max(0, counts.passed - len(candidates)),
         reasons=counts.reasons,
     )
-    return candidates, unlisted, floor
+    return candidates, unlisted, floor, decision
 
 
 def first_candidates(

@@ -43,6 +43,7 @@ from secondbox_scheduler.projections.assignments import (
     PostgresAssignmentsView,
     SQLiteAssignmentsView,
 )
+from secondbox_scheduler.projections.catch_up_gate import CatchUpGate
 from secondbox_scheduler.projections.event_decoder import EventDecoder
 from secondbox_scheduler.projections.event_log import count_events_after
 from secondbox_scheduler.projections.notification_reader import gc_paused, read_pages
@@ -179,6 +180,7 @@ class ReadModels:
         self._lock = threading.Lock()
         self._positions_ensured = writes
         self._end = 0  # the end of the catch-up under way (held by ``self._lock``)
+        self._gate = CatchUpGate(app.recorder, app.name)  # other replicas' catch-ups
 
     @property
     def runners(self) -> RunnerSnapshotsView:
@@ -286,6 +288,21 @@ class ReadModels:
                 raise ReadModelAheadError(name, position, head)
         end = head if until is None else min(until, head)
         self._end = end  # a lost race goes on to it (:meth:`catch_up`)
+        with self._gate.held(min(positions.values()) < end) as waited:
+            if waited:  # another replica's catch-up went first: what it left
+                positions = {name: self.position(name) for name in names}
+            return self._apply_pages(positions, end, progress, page_size, asynchronous_commit)
+
+    def _apply_pages(
+        self,
+        positions: dict[str, int],
+        end: int,
+        progress: Callable[[int], None],
+        page_size: int,
+        asynchronous_commit: bool,
+    ) -> int:
+        """Read, fold and apply the pages after ``positions`` up to ``end``."""
+        names = list(positions)
         after = min(positions.values())
         read = 0
         for events, reached in self._pages(after, end, page_size, names):
@@ -352,6 +369,14 @@ class ReadModels:
             return dict.fromkeys(topics, changes)
         dispatch = inspect.getattr_static(type(projection), "changes").dispatcher.dispatch
         return {topic: partial(dispatch(resolve_topic(topic)), projection) for topic in topics}
+
+    def close(self) -> None:
+        """Close the catch-up gate's connection (the views use the store's)."""
+        self._gate.close()
+
+    def reset_gate(self) -> None:
+        """After a reconnection: the catch-up gate's session is of the lost server."""
+        self._gate.reset()
 
     def wait(self, position: int, timeout: float = 5.0) -> None:
         """Block until every view has applied ``position`` (read-your-writes)."""

@@ -128,7 +128,16 @@ def _phases() -> list[tuple[Any, str, str]]:
     )
     from secondbox_scheduler.projections import candidates, read_models, sql_view
 
+    gate: list[tuple[Any, str, str]] = []
+    try:  # a checkout without the catch-up gate measures without it
+        from secondbox_scheduler.projections import catch_up_gate
+
+        gate = [(catch_up_gate.CatchUpGate, "_take", "catch-up: the gate (take, wait)")]
+        gate.append((catch_up_gate.CatchUpGate, "_release", "catch-up: the gate (release)"))
+    except ImportError:
+        pass
     return [
+        *gate,
         (create_batch.CreateBatch, "run", "create: the batch (its own: load the sandboxes)"),
         (create_batch.CreateBatch, "_create", "create: decide (its own: Sandbox.create)"),
         (create_batch.CreateBatch, "_save", "create: save (its own)"),
@@ -140,6 +149,7 @@ def _phases() -> list[tuple[Any, str, str]]:
         (candidates, "first_candidates", "create: candidate query (first page)"),
         (candidates, "candidate_page", "create: candidate query (later pages)"),
         (queries, "checked_home_candidates", "create: home check (its own: decide)"),
+        (queries, "checked_home_decision", "create: home check (its own: decide)"),
         (queries.SchedulerQueries, "fold_runner", "create: home check, fold the runner"),
         (queries.SchedulerQueries, "fold_runner_snapshots", "create: fold the whole pool"),
         (batch.PlacementBatch, "run_deferring", "schedule: the batch (its own)"),

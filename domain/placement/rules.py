@@ -12,7 +12,7 @@ rules that plain columns decide, which prefilters a pool, is
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 from secondbox_scheduler.domain.errors import (
@@ -449,6 +449,12 @@ def decide(
     if policy is not None and compatible:
         chosen = runners[min((policy.key(requirements, runners[i]), i) for _, i in compatible)[1]]
     return PlacementDecision(chosen, evaluations, unlisted or Unlisted(), ranks)
+
+
+def with_unlisted(decision: PlacementDecision, unlisted: Unlisted | None) -> PlacementDecision:
+    """``decision`` as :func:`decide` makes it over the same runners with ``unlisted``
+    (the counts are only carried: every other field is the same)."""
+    return replace(decision, unlisted=unlisted or Unlisted())
 
 
 def _refuse(

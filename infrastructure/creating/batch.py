@@ -47,6 +47,7 @@ from secondbox_scheduler.domain.errors import (
 from secondbox_scheduler.domain.ids import sandbox_uuid
 from secondbox_scheduler.domain.placement.evidence import Unlisted
 from secondbox_scheduler.domain.placement.home_choice import HomeChoice
+from secondbox_scheduler.domain.placement.rules import PlacementDecision
 from secondbox_scheduler.domain.refusals import OPERATION_CREATE, Refusal
 from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.domain.values import Requirements, RunnerSnapshot, require_text
@@ -99,14 +100,14 @@ class CreateRequest:
 class HomeSearch(Protocol):
     def runner_snapshots_now(self) -> Any: ...
 
-    def home_candidates(
+    def home_decision(
         self,
         requirements: Requirements,
         now: datetime,
         heartbeat_timeout: timedelta,
         *,
         catch_up: bool = True,
-    ) -> tuple[list[RunnerSnapshot], Unlisted]: ...
+    ) -> tuple[list[RunnerSnapshot], Unlisted, PlacementDecision | None]: ...
 
 
 class CreationStore(Protocol):
@@ -189,10 +190,14 @@ class CreateBatch:
             try:
                 choice = next((c for r, t, c in searched if t == timeout and r == wanted), None)
                 if choice is None:  # one search and one decision per requirements
-                    runners, unlisted = queries.home_candidates(
+                    runners, unlisted, decision = queries.home_decision(
                         wanted, now, timeout, catch_up=False
+                    )  # the home check's decision over the runners, when it made one
+                    choice = (
+                        HomeChoice.decided(wanted, runners, now, timeout, unlisted)
+                        if decision is None
+                        else HomeChoice(wanted, decision, now, timeout)
                     )
-                    choice = HomeChoice.decided(wanted, runners, now, timeout, unlisted)
                     searched.append((wanted, timeout, choice))
                 sandbox = Sandbox.create_at_home(
                     sandbox_id=request.sandbox_id,
