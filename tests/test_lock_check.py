@@ -107,11 +107,11 @@ def test_the_locking_step_reports_the_streams_moved_past_the_versions_read(
             assert held.changed == frozenset()
         with locks.hold(["r1", "r2"], check=current + behind) as held:
             assert held.locked
-            assert held.changed == {runner_uuid("r1"), lease_uuid("r2")}
+            assert held.changed == frozenset({runner_uuid("r1"), lease_uuid("r2")})
         with locks.hold(["r1", "r2"], wait_for=[], check=behind) as held:  # tried
             assert held.locked
             assert held.busy == frozenset()
-            assert held.changed == {runner_uuid("r1"), lease_uuid("r2")}
+            assert held.changed == frozenset({runner_uuid("r1"), lease_uuid("r2")})
         with locks.hold(["r1", "r2"]) as held:  # nothing to check
             assert held.locked
             assert held.changed == frozenset()
@@ -122,7 +122,7 @@ def test_the_locking_step_reports_the_streams_moved_past_the_versions_read(
             with locks.hold(["r1", "r2"], wait_for=["r1"], check=behind) as held:  # deferred
                 assert held.locked
                 assert held.busy == {"r2"}
-                assert held.changed == {runner_uuid("r1"), lease_uuid("r2")}
+                assert held.changed == frozenset({runner_uuid("r1"), lease_uuid("r2")})
             with locks.hold(["r1", "r2"], check=current) as held:  # not granted
                 assert held.locked is False
                 assert held.changed is None
@@ -137,7 +137,7 @@ def test_the_locking_step_reports_the_streams_moved_past_the_versions_read(
                 ["r1", "r2"], wait_for=[], worth_deferring=lambda busy: False, check=behind
             ) as held:
                 assert held.locked
-                assert held.changed == {runner_uuid("r1"), lease_uuid("r2")}
+                assert held.changed == frozenset({runner_uuid("r1"), lease_uuid("r2")})
     finally:
         app.close()
 
