@@ -11,7 +11,9 @@ made one after another, and the audit fold checks it the same way.
 
 While it decides and commits, the batch holds an advisory lock on each of its home
 runners (PostgreSQL, :mod:`.runner_locks`): replicas whose batches meet on a runner take
-turns instead of invalidating each other's decisions. A batch of the batcher
+turns instead of invalidating each other's decisions. It reads the runners and leases
+just before the locks, and again those the locking step reports a rival changed
+meanwhile (found in the same round trip as the locks). A batch of the batcher
 (``run_deferring``) does not wait for a runner another replica's batch holds when a few
 of its requests need it: those are handed back (None) and go first into the next batch.
 Correctness does not rest on the locks: when another process committed first (the save
