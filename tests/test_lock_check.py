@@ -79,7 +79,7 @@ def test_without_the_check_the_same_interleaving_is_a_lost_race(
 ) -> None:
     """The check broken on purpose (it never finds a change): the batch decides on
     the runner as it read it, and its save loses to B's commit."""
-    monkeypatch.setattr(runner_locks, "CHECK", runner_locks.CHECK + " AND false")
+    monkeypatch.setattr(runner_locks, "CHECK", runner_locks.CHECK + " WHERE false")
     mine, a = _rival_between_read_and_locks(postgres_schema, clock, monkeypatch)
     try:
         assert isinstance(mine, SerializationContentionError), mine
