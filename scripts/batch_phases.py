@@ -16,7 +16,9 @@ virtual environment to measure that checkout's code (``cd <checkout> && .venv/bi
 ``--gc-threshold``: the collector's young-generation threshold, as the scheduler's
 processes set it (``infrastructure/gc_tuning.py``: 20,000); by default Python's (700),
 where a collection lands in whichever phase allocates past it, so a change that
-allocates less in one phase can move collections, and their CPU, into another.
+allocates less in one phase can move collections, and their CPU, into another. Last,
+the CPU and wall time while the batches held their runner locks (from the end of the
+locking step to the start of the release: the wrapped phases inside included).
 """
 
 from __future__ import annotations
@@ -70,6 +72,33 @@ def _wrap(owner: Any, name: str, label: str) -> None:
     setattr(owner, name, timed)
 
 
+held: dict[str, float] = {}  # while a batch holds its runner locks: CPU and wall seconds
+_since: list[float] = []  # when the running batch's locks were taken (CPU, wall)
+
+
+def _mark_held() -> None:
+    """Add up the CPU and wall time from the end of each ``RunnerLocks._take`` (the
+    locks held) to the start of the batch's ``RunnerLocks._release``."""
+    take, release = runner_locks.RunnerLocks._take, runner_locks.RunnerLocks._release
+
+    def taken(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return take(*args, **kwargs)
+        finally:
+            _since[:] = [time.process_time(), time.perf_counter()]
+
+    def released(*args: Any, **kwargs: Any) -> Any:
+        if _since:
+            held["cpu"] = held.get("cpu", 0.0) + time.process_time() - _since[0]
+            held["wall"] = held.get("wall", 0.0) + time.perf_counter() - _since[1]
+            held["batches"] = held.get("batches", 0.0) + 1
+            _since.clear()
+        return release(*args, **kwargs)
+
+    setattr(runner_locks.RunnerLocks, "_take", taken)  # noqa: B010
+    setattr(runner_locks.RunnerLocks, "_release", released)  # noqa: B010
+
+
 PHASES = (
     (SchedulerApplication, "schedule_many", "schedule_many (its own)"),
     (batch.PlacementBatch, "run_deferring", "the batch (its own)"),
@@ -97,6 +126,7 @@ def main() -> None:
     if args.gc_threshold is not None:
         _, older, oldest = gc.get_threshold()
         gc.set_threshold(args.gc_threshold, older, oldest)
+    _mark_held()
     for owner, name, label in PHASES:
         _wrap(owner, name, label)
     with bench_database(None, f"phases_{int(time.time())}", keep=False) as fresh:
@@ -112,6 +142,7 @@ def main() -> None:
             app.repository.get(runner_uuid(runner_id))
             app.repository.get(lease_uuid(runner_id))
         spent.clear()
+        held.clear()
         built = 0.0
         start = time.process_time()
         for first in range(0, len(ids), args.batch):
@@ -132,6 +163,12 @@ def main() -> None:
     )
     for label, seconds in sorted(spent.items(), key=lambda item: -item[1]):
         print(f"  {1e6 * seconds / count:7.1f} us  {label}")
+    if held.get("batches"):
+        print(
+            f"locks held: {1e6 * held['cpu'] / count:.1f} us CPU per placement, "
+            f"{1e3 * held['wall'] / held['batches']:.2f} ms wall per batch "
+            f"({held['batches']:.0f} batches)"
+        )
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ made one after another, and the audit fold checks it the same way.
 
 While it decides and commits, the batch holds an advisory lock on each of its home
 runners (PostgreSQL, :mod:`.runner_locks`): replicas whose batches meet on a runner take
-turns instead of invalidating each other's decisions. A batch of the batcher
+turns instead of invalidating each other's decisions. It reads the runners and leases
+just before the locks, and again those the locking step reports a rival changed
+meanwhile (found in the same round trip as the locks). A batch of the batcher
 (``run_deferring``) does not wait for a runner another replica's batch holds when a few
 of its requests need it: those are handed back (None) and go first into the next batch.
 Correctness does not rest on the locks: when another process committed first (the save
@@ -124,15 +126,19 @@ class PlacementBatch:
             }
             homes = set(home_of.values())
             patient = {home_of[i] for i in home_of if not deferrable[i]} if may_defer else None
+            # read before the locks; what changed meanwhile is read again (:mod:`.runner_locks`)
+            runners, read = self._runners(homes)
             # liveness only (:mod:`.runner_locks`)
             with self.store.runner_locks.hold(
                 homes,
                 wait_for=patient,
                 worth_deferring=partial(_few_deferred, list(home_of.values()), len(pending)),
+                check=read.items(),
             ) as held:
                 deferred = {index for index, home in home_of.items() if home in held.busy}
+                self._read_again(runners, homes - held.busy, held.changed)
                 decisions = self._decide(
-                    [p for p in pending if p[0] not in deferred], sandboxes, homes - held.busy
+                    [p for p in pending if p[0] not in deferred], sandboxes, runners
                 )
                 retry = self._commit(decisions)
             self._refuse_used_tokens([d for d in decisions if d.index not in retry])
@@ -168,12 +174,12 @@ class PlacementBatch:
         self,
         pending: list[tuple[int, ScheduleRequest, int]],
         sandboxes: dict[str, Sandbox | None],
-        homes: set[str],
+        runners: dict[str, HomeRunner | SchedulerError],
     ) -> list[_Decision]:
         """Decide each request in order against the state the earlier ones left. The
-        batch's sandboxes were read with one load; their home runners and leases are
-        read with another (``PlacementStore.load_many``)."""
-        runners = self._runners(homes)
+        batch's sandboxes were read with one load; their home runners and leases with
+        another (``PlacementStore.load_many``), before the locks, and again those that
+        changed before the locks were held."""
         clock = self.store.now()
         decisions = []
         for index, request, attempt in pending:
@@ -200,12 +206,16 @@ class PlacementBatch:
 
     def _runners(
         self, runner_ids: set[str]
-    ) -> dict[str, tuple[Runner, RunnerLease] | SchedulerError]:
-        """Each home runner with its lease (copies to command), or why it is unavailable."""
-        loaded = self.store.load_many(
-            [stream for r in runner_ids for stream in (runner_uuid(r), lease_uuid(r))]
-        )
-        found: dict[str, tuple[Runner, RunnerLease] | SchedulerError] = {}
+    ) -> tuple[dict[str, HomeRunner | SchedulerError], dict[UUID, int]]:
+        """Each home runner with its lease (copies to command), or why it is unavailable;
+        and the version read of each of their streams (0: none)."""
+        streams = [stream for r in runner_ids for stream in (runner_uuid(r), lease_uuid(r))]
+        loaded = self.store.load_many(streams)
+        read = {
+            stream: aggregate.version if (aggregate := loaded.get(stream)) is not None else 0
+            for stream in streams
+        }
+        found: dict[str, HomeRunner | SchedulerError] = {}
         for runner_id in runner_ids:
             runner, lease = loaded.get(runner_uuid(runner_id)), loaded.get(lease_uuid(runner_id))
             if not isinstance(runner, Runner) or runner.deregistered:
@@ -216,7 +226,24 @@ class PlacementBatch:
                 found[runner_id] = RunnerNotFoundError(runner_id)
             else:
                 found[runner_id] = (runner, lease)
-        return found
+        return found, read
+
+    def _read_again(
+        self,
+        runners: dict[str, HomeRunner | SchedulerError],
+        held: set[str],
+        changed: frozenset[UUID] | None,
+    ) -> None:
+        """Read again the ``held`` runners whose runner or lease stream ``changed`` since
+        they were read, before the locks (None: the locking step failed, read them all:
+        it may have waited)."""
+        again = (
+            held
+            if changed is None
+            else {r for r in held if runner_uuid(r) in changed or lease_uuid(r) in changed}
+        )
+        if again:
+            runners.update(self._runners(again)[0])
 
     def _decide_one(
         self,

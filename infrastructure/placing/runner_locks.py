@@ -37,6 +37,17 @@ session. The keys are 64-bit digests of the events table's schema and name and t
 runner id, so two stores in one database never share a lock. SQLite and the in-memory
 store: no locks.
 
+A batch reads its runners and leases **before** the locks (with its sandboxes' home
+runners known), so that the window in which it holds them is the decision and the
+commit only. What a rival committed on a runner before it released the lock is found
+by the locking step itself: the statement that takes the locks is followed, in the same
+round trip (one simple query of several statements: each statement its own snapshot,
+taken after the previous one ended, so after every lock was granted), by a check of
+the streams the batch read: those with an event past the version it read come back as
+``changed``, and the batch reads them again before it decides. A locking step that
+failed (no locks held) reports ``changed=None``: the time it waited may have let
+anything change, and the batch reads again all it read before.
+
 A limitation: a batch reads its sandboxes before it takes the locks (it needs them to
 know the runners), so two replicas placing the same sandbox at once still race on the
 sandbox's stream, and the loser decides again (within its retry budget).
@@ -51,14 +62,13 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+from uuid import UUID
 
 import psycopg
 from eventsourcing.postgres import PostgresAggregateRecorder
 from psycopg import errors
-from psycopg.sql import SQL, Literal
+from psycopg.sql import SQL, Identifier
 from psycopg_pool import ConnectionPool, PoolTimeout
-
-from secondbox_scheduler.infrastructure.store.typed_arrays import BigintArray
 
 log = logging.getLogger(__name__)
 
@@ -66,21 +76,42 @@ LOCK_WAIT_MS = 2000  # longest wait for each rival lock before going on without
 LOCK_CONNECTIONS = 4  # lock connections per application (batches holding locks at once)
 CONNECTION_WAIT = 1.0  # seconds a batch waits for a free lock connection
 UNLOCK = "SELECT pg_advisory_unlock_all()"
-# the keys not granted at once (each key tried once, whatever the plan: every row of
-# the array is read, and the aggregate needs them all)
+# The locking step's statements, sent together as one simple query (text, no
+# parameters: every value in them is an integer or a UUID's canonical text). WAIT: the
+# keys' locks in key order, each within the lock timeout; TRY: the keys not granted at
+# once (each key tried once, whatever the plan: every row of the array is read, and
+# the aggregate needs them all); CHECK: the streams with an event past a version, each
+# probed through the primary key (a subquery with a LIMIT is never flattened into a
+# join that the planner might run as a scan of the whole table, as an EXISTS may be:
+# see ``select_after_statement`` of the store's fast-forward; cheaper to plan, too).
+WAIT = (
+    "DO $$ DECLARE k bigint; BEGIN "
+    "PERFORM set_config('lock_timeout', '{wait}ms', true); "
+    "FOREACH k IN ARRAY '{{{keys}}}'::bigint[] LOOP PERFORM pg_advisory_lock(k); "
+    "END LOOP; END $$"
+)
 TRY = (
-    "SELECT coalesce(array_agg(k), '{}') FROM unnest(%b::bigint[]) AS k "
+    "SELECT coalesce(array_agg(k), '{{}}') FROM unnest('{{{keys}}}'::bigint[]) AS k "
     "WHERE NOT pg_try_advisory_lock(k)"
+)
+CHECK = (
+    "SELECT v.id FROM unnest('{{{ids}}}'::uuid[], '{{{versions}}}'::bigint[]) AS v(id, version) "
+    "CROSS JOIN LATERAL (SELECT FROM {events} WHERE originator_id = v.id "
+    "AND originator_version > v.version LIMIT 1) AS e"
 )
 
 
 @dataclass(frozen=True)
 class Held:
     """What :meth:`RunnerLocks.hold` got: whether the batch holds its runners' locks,
-    and the runners it tried without waiting that another session holds."""
+    the runners it tried without waiting that another session holds, and which of the
+    streams it was asked to check have an event past the version given, read once every
+    lock was held (None: no lock held after a failed locking step, read them all again;
+    nothing to check or no locks to take: empty)."""
 
     locked: bool
     busy: frozenset[str] = frozenset()
+    changed: frozenset[UUID] | None = frozenset()
 
 
 def lock_key(namespace: str, runner_id: str) -> int:
@@ -97,9 +128,15 @@ class RunnerLocks:
         self.namespace = ""
         self._pool: ConnectionPool[Any] | None = None
         self._pool_lock = threading.Lock()
+        self._events = ""  # the events table, quoted (CHECK)
         if self.recorder is not None:
             datastore = self.recorder.datastore
             self.namespace = f"{datastore.schema}.{self.recorder.events_table_name}"
+            self._events = (
+                SQL("{}.{}")
+                .format(Identifier(datastore.schema), Identifier(self.recorder.events_table_name))
+                .as_string(None)
+            )
 
     @contextmanager
     def hold(
@@ -108,6 +145,7 @@ class RunnerLocks:
         *,
         wait_for: Iterable[str] | None = None,
         worth_deferring: Callable[[frozenset[str]], bool] = lambda busy: True,
+        check: Iterable[tuple[UUID, int]] = (),
     ) -> Iterator[Held]:
         """Hold the runners' locks for the block. ``wait_for=None``: wait for every one
         (up to LOCK_WAIT_MS each); otherwise wait for those runners only and try the
@@ -115,26 +153,31 @@ class RunnerLocks:
         (the batch defers their requests instead of waiting), unless
         ``worth_deferring(busy)`` says no: then every lock is released and all of them
         taken again in key order, waiting (so no session ever waits for a lock while it
-        holds one it took out of order)."""
+        holds one it took out of order). ``check``: streams read before the locks, each
+        with the version read; those with a later event once the locks are held come
+        back as ``changed``, found in the same round trip as the locks."""
         runners = set(runner_ids) if self.recorder else set()
         connection = self._connection() if runners else None
         if connection is None:
-            yield Held(False)
+            yield Held(False, changed=None if runners else frozenset())
             return
         patient = runners if wait_for is None else runners & set(wait_for)
         keys = {lock_key(self.namespace, runner): runner for runner in runners}
+        streams = list(check)
         try:
-            busy = self._take(
+            taken = self._take(
                 connection,
                 sorted(k for k, r in keys.items() if r in patient),
                 sorted(k for k, r in keys.items() if r not in patient),
+                streams,
             )
-            if busy and not worth_deferring(frozenset(keys[k] for k in busy)):
-                busy = self._take_again(connection, sorted(keys))
-            if busy is None:
-                yield Held(False)
+            if taken and taken[0] and not worth_deferring(frozenset(keys[k] for k in taken[0])):
+                taken = self._take_again(connection, sorted(keys), streams)
+            if taken is None:
+                yield Held(False, changed=None)
             else:
-                yield Held(True, frozenset(keys[k] for k in busy))
+                busy, changed = taken
+                yield Held(True, frozenset(keys[k] for k in busy), frozenset(changed))
         finally:
             self._release(connection)
 
@@ -199,7 +242,9 @@ class RunnerLocks:
                 )
             return self._pool
 
-    def _take_again(self, connection: psycopg.Connection[Any], keys: list[int]) -> set[int] | None:
+    def _take_again(
+        self, connection: psycopg.Connection[Any], keys: list[int], check: list[tuple[UUID, int]]
+    ) -> tuple[set[int], set[UUID]] | None:
         """Release the locks held and take all of ``keys`` again in key order, waiting;
         None (nothing held) when the session fails or a lock is not granted in time."""
         try:
@@ -208,28 +253,42 @@ class RunnerLocks:
             log.info("runner locks not released (%s): deciding without", error)
             connection.close()
             return None
-        return self._take(connection, keys, [])
+        return self._take(connection, keys, [], check)
 
     def _take(
-        self, connection: psycopg.Connection[Any], wait: list[int], attempt: list[int]
-    ) -> set[int] | None:
-        """Take the locks of ``wait`` in key order, each within LOCK_WAIT_MS (one
-        statement), then try those of ``attempt`` without waiting (another); the keys
-        of ``attempt`` another session holds, or None (and none of them held) when a
-        lock of ``wait`` is not granted in time or the session fails."""
-        take = SQL(
-            "DO $$ DECLARE k bigint; BEGIN "
-            "PERFORM set_config('lock_timeout', {wait}, true); "
-            "FOREACH k IN ARRAY {keys}::bigint[] LOOP PERFORM pg_advisory_lock(k); "
-            "END LOOP; END $$"
-        ).format(wait=Literal(f"{LOCK_WAIT_MS}ms"), keys=Literal(wait))
+        self,
+        connection: psycopg.Connection[Any],
+        wait: list[int],
+        attempt: list[int],
+        check: list[tuple[UUID, int]],
+    ) -> tuple[set[int], set[UUID]] | None:
+        """Take the locks of ``wait`` in key order, each within LOCK_WAIT_MS, then try
+        those of ``attempt`` without waiting, then check the streams of ``check``: one
+        round trip, a statement each (each statement's snapshot is taken when the one
+        before it has ended). The keys of ``attempt`` another session holds and the
+        streams of ``check`` with an event past the version given; or None (and none of
+        the keys held) when a lock of ``wait`` is not granted in time or the session
+        fails."""
+        statements = []
+        if wait:
+            statements.append(WAIT.format(wait=int(LOCK_WAIT_MS), keys=_ints(wait)))
+        if attempt:
+            statements.append(TRY.format(keys=_ints(attempt)))
+        if check:
+            ids = ",".join(stream.hex for stream, _ in check)
+            versions = _ints([version for _, version in check])
+            statements.append(CHECK.format(ids=ids, versions=versions, events=self._events))
         try:
-            if wait:
-                connection.execute(take)
-            if not attempt:
-                return set()
-            row = connection.execute(TRY, (BigintArray(attempt),)).fetchone()
-            return set(row[0]) if row is not None else set(attempt)
+            cursor = connection.execute("; ".join(statements))
+            if wait:  # the DO block returns no rows, and no result set after the first
+                cursor.nextset()
+            busy: set[int] = set()
+            if attempt:
+                row = cursor.fetchone()
+                busy = set(row[0]) if row is not None else set(attempt)
+                cursor.nextset()
+            changed = {row[0] for row in cursor.fetchall()} if check else set()
+            return busy, changed
         except errors.LockNotAvailable:
             log.info("runner locks not granted in %s ms: deciding without", LOCK_WAIT_MS)
         except psycopg.Error as error:
@@ -240,3 +299,8 @@ class RunnerLocks:
         except psycopg.Error:
             connection.close()
         return None
+
+
+def _ints(values: Iterable[int]) -> str:
+    """Integers as the text of an array literal's elements."""
+    return ",".join(str(int(value)) for value in values)
