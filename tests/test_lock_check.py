@@ -34,7 +34,8 @@ def _rival_between_read_and_locks(
     a = SchedulerApplication(env=schema.env(), now=clock)
     b = SchedulerApplication(env=schema.env(), now=clock)
     try:
-        register(a, "hot", at=clock(), allocatable=capacity(instances=4))
+        room = {"vcpu_count": 32, "memory_bytes": 64 * 2**30, "disk_bytes": 400 * 2**30}
+        register(a, "hot", at=clock(), allocatable=capacity(instances=16, operations=64, **room))
         create_sandbox(a, "s1")
         create_sandbox(a, "s2")
         b.get_runner("hot")  # B has read it too (cached), as a replica would have
@@ -69,6 +70,37 @@ def test_a_rival_commit_between_the_read_and_the_locks_is_read_again(
         assert mine[1], mine
         assert a.get_runner("hot").reserved.instances == 2
         assert a.metrics.contention_retries == a.metrics.contention_errors == 0
+        assert verify(a, measure_raw=False).ok
+    finally:
+        a.close()
+
+
+def test_a_runner_found_changed_is_read_after_its_locks_by_the_next_batches(
+    postgres_schema: PostgresSchema, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hot runner changes under nearly every read made before its lock: once the
+    locking step found it changed, the next LATE_BATCHES batches on it read it after
+    the lock only (no read before, nothing to check), then read it early again."""
+    mine, a = _rival_between_read_and_locks(postgres_schema, clock, monkeypatch)
+    try:
+        assert isinstance(mine, tuple), mine
+        checked: list[list[Any]] = []
+        hold = runner_locks.RunnerLocks.hold
+
+        def recording(locks: Any, runner_ids: Any, **options: Any) -> Any:
+            checked.append(list(options.get("check", ())))
+            return hold(locks, runner_ids, **options)
+
+        monkeypatch.setattr(runner_locks.RunnerLocks, "hold", recording)
+        for number in range(runner_locks.LATE_BATCHES + 1):
+            create_sandbox(a, f"late{number}")
+            placed: Any = PlacementBatch(a).run([schedule_request(f"late{number}", clock())])[0]
+            assert isinstance(placed, tuple), placed
+            assert placed[1], placed
+        assert checked[: runner_locks.LATE_BATCHES] == [[]] * runner_locks.LATE_BATCHES
+        assert {stream for stream, _ in checked[-1]} == {runner_uuid("hot"), lease_uuid("hot")}
+        assert a.get_runner("hot").reserved.instances == 2 + runner_locks.LATE_BATCHES + 1
+        assert a.metrics.contention_retries == 0
         assert verify(a, measure_raw=False).ok
     finally:
         a.close()

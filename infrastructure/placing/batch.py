@@ -126,8 +126,10 @@ class PlacementBatch:
             }
             homes = set(home_of.values())
             patient = {home_of[i] for i in home_of if not deferrable[i]} if may_defer else None
-            # read before the locks; what changed meanwhile is read again (:mod:`.runner_locks`)
-            runners, read = self._runners(homes)
+            # read before the locks; what changed meanwhile is read again, and a hot
+            # runner after its lock only (:mod:`.runner_locks`)
+            late = self.store.runner_locks.read_late(homes)
+            runners, read = self._runners(homes - late) if homes - late else ({}, {})
             # liveness only (:mod:`.runner_locks`)
             with self.store.runner_locks.hold(
                 homes,
@@ -136,7 +138,7 @@ class PlacementBatch:
                 check=read.items(),
             ) as held:
                 deferred = {index for index, home in home_of.items() if home in held.busy}
-                self._read_again(runners, homes - held.busy, held.changed)
+                self._read_again(runners, homes - held.busy, held.changed, late)
                 decisions = self._decide(
                     [p for p in pending if p[0] not in deferred], sandboxes, runners
                 )
@@ -233,15 +235,17 @@ class PlacementBatch:
         runners: dict[str, HomeRunner | SchedulerError],
         held: set[str],
         changed: frozenset[UUID] | None,
+        late: set[str],
     ) -> None:
         """Read again the ``held`` runners whose runner or lease stream ``changed`` since
         they were read, before the locks (None: the locking step failed, read them all:
-        it may have waited)."""
-        again = (
-            held
-            if changed is None
-            else {r for r in held if runner_uuid(r) in changed or lease_uuid(r) in changed}
-        )
+        it may have waited), and read the ``late`` ones, not read before."""
+        if changed is None:
+            again = set(held)
+        else:
+            again = {r for r in held if runner_uuid(r) in changed or lease_uuid(r) in changed}
+            self.store.runner_locks.found_changed(again)
+        again |= late & held
         if again:
             runners.update(self._runners(again)[0])
 

@@ -46,7 +46,10 @@ taken after the previous one ended, so after every lock was granted), by a check
 the streams the batch read: those with an event past the version it read come back as
 ``changed``, and the batch reads them again before it decides. A locking step that
 failed (no locks held) reports ``changed=None``: the time it waited may have let
-anything change, and the batch reads again all it read before.
+anything change, and the batch reads again all it read before. A runner found changed
+is read after its locks only, with nothing to check, by the next :data:`LATE_BATCHES`
+batches on it (:meth:`RunnerLocks.read_late`): a hot runner, which a rival's batch
+changes under nearly every early read, is read once per batch rather than twice.
 
 A limitation: a batch reads its sandboxes before it takes the locks (it needs them to
 know the runners), so two replicas placing the same sandbox at once still race on the
@@ -73,6 +76,10 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 log = logging.getLogger(__name__)
 
 LOCK_WAIT_MS = 2000  # longest wait for each rival lock before going on without
+# a runner the locking step found changed is read after its locks by this many of the
+# batches on it that follow (a hot runner changes under nearly every batch's read)
+LATE_BATCHES = 8
+LATE_KEPT = 4096  # runners remembered so (past this many, forgotten all at once)
 LOCK_CONNECTIONS = 4  # lock connections per application (batches holding locks at once)
 CONNECTION_WAIT = 1.0  # seconds a batch waits for a free lock connection
 UNLOCK = "SELECT pg_advisory_unlock_all()"
@@ -129,6 +136,7 @@ class RunnerLocks:
         self._pool: ConnectionPool[Any] | None = None
         self._pool_lock = threading.Lock()
         self._events = ""  # the events table, quoted (CHECK)
+        self._late: dict[str, int] = {}  # runner: batches left that read it after the locks
         if self.recorder is not None:
             datastore = self.recorder.datastore
             self.namespace = f"{datastore.schema}.{self.recorder.events_table_name}"
@@ -137,6 +145,31 @@ class RunnerLocks:
                 .format(Identifier(datastore.schema), Identifier(self.recorder.events_table_name))
                 .as_string(None)
             )
+
+    def read_late(self, runner_ids: Iterable[str]) -> set[str]:
+        """Of ``runner_ids``, those a batch reads after their locks rather than before:
+        the locking step found them changed under one of the last batches on them
+        (:data:`LATE_BATCHES`), as a rival's batch changes a hot runner under nearly
+        every read made before its lock. Each call counts a batch for them."""
+        late = self._late
+        found = set()
+        for runner_id in runner_ids:
+            left = late.get(runner_id)
+            if left:
+                found.add(runner_id)
+                if left > 1:
+                    late[runner_id] = left - 1
+                else:
+                    del late[runner_id]
+        return found
+
+    def found_changed(self, runner_ids: Iterable[str]) -> None:
+        """These runners changed between a batch's read and its locks."""
+        late = self._late
+        for runner_id in runner_ids:
+            if len(late) >= LATE_KEPT:
+                late.clear()
+            late[runner_id] = LATE_BATCHES
 
     @contextmanager
     def hold(
