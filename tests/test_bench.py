@@ -150,6 +150,14 @@ def test_quick_bench_on_sqlite_reports_every_section_and_goal(quick: QuickRun) -
     assert over_http["connections_per_replica"] == BenchSettings.make(quick=True).http_connections
     assert over_http["serve_cpu_ms_per_placement"] > 0
     assert over_http["database_cpu_ms_per_placement"] is None  # SQLite: no server
+    # the batches the replicas ran, from their /metrics: every placement in one
+    assert over_http["serve_batches"] > 0
+    assert sum(over_http["serve_placed_by_replica"]) == over_http["placed"]
+    assert 1 <= over_http["serve_batch_size_mean"] <= over_http["connections_per_replica"]
+    assert set(over_http["serve_gc_collections"]) == {"0", "1", "2"}
+    assert 0 < over_http["serve_loop_cpu_share"] <= 1
+    assert over_http["speed_probe_us"] > 0
+    assert report["batched"]["speed_probe_us"] > 0
     for key in ("placement", "batched", "new_sandbox", "http", "http_new_sandbox"):
         ledger = report[key]["ledger"]  # every acknowledged placement found on its runner
         assert ledger["acknowledged"] >= report[key]["placed"] > 0, key
@@ -673,3 +681,35 @@ def test_the_ledger_finds_a_lost_placement_and_one_on_another_runner(tmp_path: P
     assert found["lost_placements"] == 2
     assert found["lost_examples"] == ["s-2", "s-3"]
     assert found["runners_checked"] == 2
+
+
+def test_the_http_run_reads_its_replicas_batches_and_collections_from_their_scrapes() -> None:
+    """serve's mean batch (what its CPU per placement depends on) and its collections,
+    from the differences of two /metrics scrapes of each replica."""
+    from secondbox_scheduler.infrastructure.tools.bench.serve_metrics import (
+        difference,
+        scrape_figures,
+        serve_summary,
+    )
+
+    def scrape(batches: int, batched: int, gc2: int) -> str:
+        return (
+            "# HELP secondbox_scheduler_placement_batch_size ...\n"
+            'secondbox_scheduler_placement_batch_size_bucket{le="1.0"} 3.0\n'
+            f"secondbox_scheduler_placement_batch_size_count {batches}.0\n"
+            f"secondbox_scheduler_placement_batch_size_sum {batched}.0\n"
+            'python_gc_collections_total{generation="0"} 7.0\n'
+            'python_gc_collections_total{generation="1"} 1.0\n'
+            f'python_gc_collections_total{{generation="2"}} {gc2}.0\n'
+        )
+
+    first = difference(scrape_figures(scrape(2, 5, 1)), scrape_figures(scrape(12, 65, 3)))
+    second = difference(scrape_figures(scrape(0, 0, 0)), scrape_figures(scrape(30, 90, 0)))
+    assert first == {"batches": 10, "batched": 60, "gc0": 0, "gc1": 0, "gc2": 2}
+    summary = serve_summary([first, second], [60, 90], (3.0, 1.0))
+    assert summary["serve_batches"] == 40
+    assert summary["serve_batch_size_mean"] == 3.75  # 150 placements in 40 batches
+    assert summary["serve_batch_size_mean_by_replica"] == [6.0, 3.0]
+    assert summary["serve_gc_collections"] == {"0": 0, "1": 0, "2": 2}
+    assert summary["serve_loop_cpu_share"] == 0.75
+    assert serve_summary([{}], [0], None)["serve_batch_size_mean"] is None

@@ -69,6 +69,13 @@ from secondbox_scheduler.infrastructure.tools.bench.process_cpu import (
     processes_cpu,
     used_since,
 )
+from secondbox_scheduler.infrastructure.tools.bench.serve_metrics import (
+    SpeedProbe,
+    difference,
+    scrape_figures,
+    serve_summary,
+    threads_cpu,
+)
 from secondbox_scheduler.infrastructure.tools.bench.settings import BenchSettings, Progress
 from secondbox_scheduler.infrastructure.tools.bench.timing import now
 from secondbox_scheduler.infrastructure.tools.bench.workers import (
@@ -194,19 +201,24 @@ class HttpScheduleJob:
             scrape = client.get("/metrics").text
             retries_before = _counter(scrape, "secondbox_scheduler_contention_retries_total")
             errors_before = _counter(scrape, "secondbox_scheduler_contention_errors_total")
+            figures_before = scrape_figures(scrape)
             prepare_seconds = time.perf_counter() - prepared
             barrier.wait(BARRIER_TIMEOUT)
             cpu_before = machine_cpu_seconds()
             serve_before = processes_cpu(self.serve_pids) if index == 0 else {}
+            threads_before = threads_cpu(self.serve_pids) if index == 0 else None
             database_before = (
                 database_backends(self.database_name) if index == 0 and self.database_name else {}
             )
             started = time.perf_counter()
             found = asyncio.run(self._drive(bodies, started + self.seconds))
             cpu = _cpu_window(index, cpu_before)
-            serve_cpu = database_cpu = None
+            serve_cpu = database_cpu = threads = None
             if index == 0:
                 serve_cpu = used_since(serve_before, processes_cpu(self.serve_pids))
+                if threads_before is not None:
+                    main, rest = threads_cpu(self.serve_pids)
+                    threads = (main - threads_before[0], rest - threads_before[1])
                 if self.database_name:
                     after = database_backends(self.database_name)
                     database_cpu = used_since(database_before, after)
@@ -229,6 +241,8 @@ class HttpScheduleJob:
             acknowledged=tuple(found.acknowledged),
             serve_cpu_seconds=serve_cpu,
             database_cpu_seconds=database_cpu,
+            serve_figures=difference(figures_before, scrape_figures(scrape)),
+            serve_threads_cpu=threads,
         )
 
     async def _drive(
@@ -347,6 +361,13 @@ def _with_cpu(summary: dict[str, Any], results: list[WorkerResult]) -> dict[str,
         ("database_cpu_ms_per_placement", first.database_cpu_seconds),
     ):
         summary[key] = round(seconds * 1000 / placed, 3) if seconds is not None and placed else None
+    summary.update(
+        serve_summary(
+            [r.serve_figures for r in results],
+            [r.outcomes.get(PLACED, 0) for r in results],
+            first.serve_threads_cpu,
+        )
+    )
     return summary
 
 
@@ -398,8 +419,11 @@ def measure_http(
             for index in range(settings.workers)
         ]
         progress(f"http: settling the database ({settle(env)})")
-        results = pool.run(jobs)
+        with SpeedProbe() as probe:
+            results = pool.run(jobs)
     summary = _with_cpu(summarize(results), results)
+    summary["speed_probe_us"] = probe.median_us()
+    summary["steal_share"] = probe.steal_share
     summary["runners"] = settings.runners
     summary["replicas"] = settings.workers
     summary["connections_per_replica"] = connections
@@ -449,8 +473,11 @@ def measure_http_new_sandbox(
             for index in range(settings.workers)
         ]
         progress(f"http new sandboxes: settling the database ({settle(env)})")
-        results = pool.run(jobs)
+        with SpeedProbe() as probe:
+            results = pool.run(jobs)
     summary = _with_cpu(summarize(results), results)
+    summary["speed_probe_us"] = probe.median_us()
+    summary["steal_share"] = probe.steal_share
     summary["runners"] = settings.runners
     summary["replicas"] = settings.workers
     summary["connections_per_replica"] = connections

@@ -134,7 +134,11 @@ def _http_cpu(run: dict[str, Any]) -> str:
     shown = f" (serve {serve:.2f} ms"
     if database is not None:
         shown += f", PostgreSQL {database:.2f} ms"
-    return shown + "/placement)"
+    shown += "/placement"
+    batch = run.get("serve_batch_size_mean")
+    if batch is not None:
+        shown += f", mean batch {batch}"
+    return shown + ")"
 
 
 def _scheduler_cpu(run: dict[str, Any]) -> str:

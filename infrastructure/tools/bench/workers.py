@@ -169,6 +169,10 @@ class WorkerResult:
     database_cpu_seconds: float | None = None
     # schedule runs in process: this worker process's own CPU (all its threads) in its run
     own_cpu_seconds: float | None = None
+    # over HTTP: what the worker's replica's /metrics counted over the run (batches...)
+    serve_figures: dict[str, float] = field(default_factory=dict)
+    # over HTTP, worker 0: the serve processes' CPU in their main threads and the rest
+    serve_threads_cpu: tuple[float, float] | None = None
 
 
 def _cpu_window(index: int, before: tuple[float, float]) -> tuple[float, float]:
