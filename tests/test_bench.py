@@ -156,6 +156,8 @@ def test_quick_bench_on_sqlite_reports_every_section_and_goal(quick: QuickRun) -
     assert 1 <= over_http["serve_batch_size_mean"] <= over_http["connections_per_replica"]
     assert set(over_http["serve_gc_collections"]) == {"0", "1", "2"}
     assert 0 < over_http["serve_loop_cpu_share"] <= 1
+    assert over_http["client_cpu_ms_per_placement"] > 0
+    assert sum(over_http["machine_cpu_shares"].values()) == pytest.approx(1, abs=0.01)
     assert over_http["speed_probe_us"] > 0
     assert report["batched"]["speed_probe_us"] > 0
     for key in ("placement", "batched", "new_sandbox", "http", "http_new_sandbox"):
@@ -706,10 +708,13 @@ def test_the_http_run_reads_its_replicas_batches_and_collections_from_their_scra
     first = difference(scrape_figures(scrape(2, 5, 1)), scrape_figures(scrape(12, 65, 3)))
     second = difference(scrape_figures(scrape(0, 0, 0)), scrape_figures(scrape(30, 90, 0)))
     assert first == {"batches": 10, "batched": 60, "gc0": 0, "gc1": 0, "gc2": 2}
-    summary = serve_summary([first, second], [60, 90], (3.0, 1.0))
+    tasks = {"main_cpu": 3.0, "voluntary": 300.0, "involuntary": 75.0}
+    summary = serve_summary([first, second], [60, 90], tasks, 4.0)
     assert summary["serve_batches"] == 40
     assert summary["serve_batch_size_mean"] == 3.75  # 150 placements in 40 batches
     assert summary["serve_batch_size_mean_by_replica"] == [6.0, 3.0]
     assert summary["serve_gc_collections"] == {"0": 0, "1": 0, "2": 2}
     assert summary["serve_loop_cpu_share"] == 0.75
-    assert serve_summary([{}], [0], None)["serve_batch_size_mean"] is None
+    assert summary["serve_voluntary_switches_per_placement"] == 2.0
+    assert summary["serve_involuntary_switches_per_placement"] == 0.5
+    assert serve_summary([{}], [0], None, None)["serve_batch_size_mean"] is None

@@ -74,7 +74,7 @@ from secondbox_scheduler.infrastructure.tools.bench.serve_metrics import (
     difference,
     scrape_figures,
     serve_summary,
-    threads_cpu,
+    task_figures,
 )
 from secondbox_scheduler.infrastructure.tools.bench.settings import BenchSettings, Progress
 from secondbox_scheduler.infrastructure.tools.bench.timing import now
@@ -206,19 +206,20 @@ class HttpScheduleJob:
             barrier.wait(BARRIER_TIMEOUT)
             cpu_before = machine_cpu_seconds()
             serve_before = processes_cpu(self.serve_pids) if index == 0 else {}
-            threads_before = threads_cpu(self.serve_pids) if index == 0 else None
+            tasks_before = task_figures(self.serve_pids) if index == 0 else None
+            client_before = time.process_time()
             database_before = (
                 database_backends(self.database_name) if index == 0 and self.database_name else {}
             )
             started = time.perf_counter()
             found = asyncio.run(self._drive(bodies, started + self.seconds))
             cpu = _cpu_window(index, cpu_before)
-            serve_cpu = database_cpu = threads = None
+            client_cpu = time.process_time() - client_before
+            serve_cpu = database_cpu = tasks = None
             if index == 0:
                 serve_cpu = used_since(serve_before, processes_cpu(self.serve_pids))
-                if threads_before is not None:
-                    main, rest = threads_cpu(self.serve_pids)
-                    threads = (main - threads_before[0], rest - threads_before[1])
+                if tasks_before is not None:
+                    tasks = difference(tasks_before, task_figures(self.serve_pids))
                 if self.database_name:
                     after = database_backends(self.database_name)
                     database_cpu = used_since(database_before, after)
@@ -242,7 +243,8 @@ class HttpScheduleJob:
             serve_cpu_seconds=serve_cpu,
             database_cpu_seconds=database_cpu,
             serve_figures=difference(figures_before, scrape_figures(scrape)),
-            serve_threads_cpu=threads,
+            serve_tasks=tasks,
+            client_cpu_seconds=client_cpu,
         )
 
     async def _drive(
@@ -365,10 +367,36 @@ def _with_cpu(summary: dict[str, Any], results: list[WorkerResult]) -> dict[str,
         serve_summary(
             [r.serve_figures for r in results],
             [r.outcomes.get(PLACED, 0) for r in results],
-            first.serve_threads_cpu,
+            first.serve_tasks,
+            first.serve_cpu_seconds,
         )
     )
+    summary.update(_shares(summary, results))
     return summary
+
+
+def _shares(summary: dict[str, Any], results: list[WorkerResult]) -> dict[str, Any]:
+    """The clients' CPU per placement, and the machine's CPU over worker 0's window by
+    whose it was: serve's, PostgreSQL's backends', the clients', and the rest (other
+    processes of a shared machine, the database server's own processes, the kernel)."""
+    placed = summary.get("placed", 0)
+    clients = [r.client_cpu_seconds for r in results if r.client_cpu_seconds is not None]
+    found: dict[str, Any] = {}
+    if clients and placed:
+        found["client_cpu_ms_per_placement"] = round(sum(clients) * 1000 / placed, 3)
+    busy, total = results[0].machine_cpu
+    serve, database = results[0].serve_cpu_seconds, results[0].database_cpu_seconds
+    if total <= 0 or serve is None or not clients:
+        return found
+    ours = serve + (database or 0.0) + sum(clients)
+    found["machine_cpu_shares"] = {
+        "serve": round(serve / total, 3),
+        "postgresql_backends": round((database or 0.0) / total, 3),
+        "clients": round(sum(clients) / total, 3),
+        "rest": round(max(0.0, busy - ours) / total, 3),
+        "idle": round((total - busy) / total, 3),
+    }
+    return found
 
 
 def measure_http(

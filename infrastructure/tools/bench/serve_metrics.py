@@ -48,36 +48,33 @@ def difference(before: Mapping[str, float], after: Mapping[str, float]) -> dict[
     return {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
 
 
-def thread_cpu(pid: int) -> tuple[float, float]:
-    """CPU seconds of ``pid``'s main thread (serve's event loop) and of its other threads
-    so far ((0, 0): no such process here)."""
-    main = rest = 0.0
-    try:
-        tids = os.listdir(f"{PROC}/{pid}/task")
-    except OSError:
-        return 0.0, 0.0
+def task_figures(pids: Iterable[int]) -> dict[str, float]:
+    """Of the threads of ``pids`` now alive (``/proc/<pid>/task``): the CPU seconds of the
+    main threads (serve's event loop; the rest of a process's CPU is its other threads':
+    the batch leader, the store's), and their voluntary and involuntary context switches
+    (a thread that waits; one the kernel preempts for another process)."""
+    found = {"main_cpu": 0.0, "voluntary": 0.0, "involuntary": 0.0}
     hz = os.sysconf("SC_CLK_TCK")
-    for tid in tids:
-        try:
-            with open(f"{PROC}/{pid}/task/{tid}/stat", "rb") as stat:
-                fields = stat.read().rsplit(b")", 1)[-1].split()
-            seconds = (int(fields[11]) + int(fields[12])) / hz
-        except (OSError, IndexError, ValueError):
-            continue
-        if tid == str(pid):
-            main += seconds
-        else:
-            rest += seconds
-    return main, rest
-
-
-def threads_cpu(pids: Iterable[int]) -> tuple[float, float]:
-    """:func:`thread_cpu` summed over ``pids``."""
-    main = rest = 0.0
     for pid in pids:
-        m, r = thread_cpu(pid)
-        main, rest = main + m, rest + r
-    return main, rest
+        try:
+            tids = os.listdir(f"{PROC}/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                if tid == str(pid):
+                    with open(f"{PROC}/{pid}/task/{tid}/stat", "rb") as stat:
+                        fields = stat.read().rsplit(b")", 1)[-1].split()
+                    found["main_cpu"] += (int(fields[11]) + int(fields[12])) / hz
+                with open(f"{PROC}/{pid}/task/{tid}/status", "rb") as status:
+                    for line in status:
+                        if line.startswith(b"voluntary_ctxt_switches:"):
+                            found["voluntary"] += int(line.split()[1])
+                        elif line.startswith(b"nonvoluntary_ctxt_switches:"):
+                            found["involuntary"] += int(line.split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
 
 
 def _stat_ticks() -> list[int]:
@@ -138,10 +135,15 @@ class SpeedProbe:
 
 
 def serve_summary(
-    figures: list[dict[str, float]], placed: list[int], threads: tuple[float, float] | None
+    figures: list[dict[str, float]],
+    placed: list[int],
+    tasks: Mapping[str, float] | None,
+    serve_cpu: float | None,
 ) -> dict[str, Any]:
     """The run's serve figures: batches and mean batch over every replica, the mean
-    batch of each, collections by generation, the event loop's share of serve's CPU."""
+    batch of each, collections by generation; of ``tasks`` (:func:`task_figures` over
+    the run, with ``serve_cpu`` the processes' CPU seconds): the event loop's share of
+    serve's CPU and the context switches per placement."""
     batches = sum(f.get("batches", 0.0) for f in figures)
     batched = sum(f.get("batched", 0.0) for f in figures)
     summary: dict[str, Any] = {
@@ -156,6 +158,9 @@ def serve_summary(
             for generation in GC_GENERATIONS
         },
     }
-    if threads is not None and sum(threads) > 0:
-        summary["serve_loop_cpu_share"] = round(threads[0] / sum(threads), 3)
+    done = sum(placed)
+    if tasks is not None and serve_cpu and done:
+        summary["serve_loop_cpu_share"] = round(min(1.0, tasks["main_cpu"] / serve_cpu), 3)
+        for kind in ("voluntary", "involuntary"):
+            summary[f"serve_{kind}_switches_per_placement"] = round(tasks[kind] / done, 2)
     return summary

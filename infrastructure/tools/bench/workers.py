@@ -171,8 +171,9 @@ class WorkerResult:
     own_cpu_seconds: float | None = None
     # over HTTP: what the worker's replica's /metrics counted over the run (batches...)
     serve_figures: dict[str, float] = field(default_factory=dict)
-    # over HTTP, worker 0: the serve processes' CPU in their main threads and the rest
-    serve_threads_cpu: tuple[float, float] | None = None
+    # over HTTP, worker 0: the serve processes' threads (main's CPU, context switches)
+    serve_tasks: dict[str, float] | None = None
+    client_cpu_seconds: float | None = None  # over HTTP: this client process's own CPU
 
 
 def _cpu_window(index: int, before: tuple[float, float]) -> tuple[float, float]:
