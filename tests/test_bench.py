@@ -692,6 +692,7 @@ def test_the_http_run_reads_its_replicas_batches_and_collections_from_their_scra
         difference,
         scrape_figures,
         serve_summary,
+        task_difference,
     )
 
     def scrape(batches: int, batched: int, gc2: int) -> str:
@@ -708,7 +709,11 @@ def test_the_http_run_reads_its_replicas_batches_and_collections_from_their_scra
     first = difference(scrape_figures(scrape(2, 5, 1)), scrape_figures(scrape(12, 65, 3)))
     second = difference(scrape_figures(scrape(0, 0, 0)), scrape_figures(scrape(30, 90, 0)))
     assert first == {"batches": 10, "batched": 60, "gc0": 0, "gc1": 0, "gc2": 2}
-    tasks = {"main_cpu": 3.0, "voluntary": 300.0, "involuntary": 75.0}
+    tasks = task_difference(  # thread 12 gone (its switches lost), thread 13 new
+        {"10/10": (1.0, 100, 20), "10/11": (0.0, 50, 5), "10/12": (0.0, 400, 90)},
+        {"10/10": (4.0, 300, 70), "10/11": (0.0, 80, 10), "10/13": (0.0, 70, 20)},
+    )
+    assert tasks == {"main_cpu": 3.0, "voluntary": 300.0, "involuntary": 75.0}
     summary = serve_summary([first, second], [60, 90], tasks, 4.0)
     assert summary["serve_batches"] == 40
     assert summary["serve_batch_size_mean"] == 3.75  # 150 placements in 40 batches

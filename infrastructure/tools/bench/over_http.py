@@ -74,6 +74,7 @@ from secondbox_scheduler.infrastructure.tools.bench.serve_metrics import (
     difference,
     scrape_figures,
     serve_summary,
+    task_difference,
     task_figures,
 )
 from secondbox_scheduler.infrastructure.tools.bench.settings import BenchSettings, Progress
@@ -219,7 +220,7 @@ class HttpScheduleJob:
             if index == 0:
                 serve_cpu = used_since(serve_before, processes_cpu(self.serve_pids))
                 if tasks_before is not None:
-                    tasks = difference(tasks_before, task_figures(self.serve_pids))
+                    tasks = task_difference(tasks_before, task_figures(self.serve_pids))
                 if self.database_name:
                     after = database_backends(self.database_name)
                     database_cpu = used_since(database_before, after)

@@ -48,12 +48,13 @@ def difference(before: Mapping[str, float], after: Mapping[str, float]) -> dict[
     return {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
 
 
-def task_figures(pids: Iterable[int]) -> dict[str, float]:
-    """Of the threads of ``pids`` now alive (``/proc/<pid>/task``): the CPU seconds of the
-    main threads (serve's event loop; the rest of a process's CPU is its other threads':
-    the batch leader, the store's), and their voluntary and involuntary context switches
-    (a thread that waits; one the kernel preempts for another process)."""
-    found = {"main_cpu": 0.0, "voluntary": 0.0, "involuntary": 0.0}
+def task_figures(pids: Iterable[int]) -> dict[str, tuple[float, int, int]]:
+    """Of each thread of ``pids`` now alive (``/proc/<pid>/task``), by ``pid/tid``: its CPU
+    seconds if it is a main thread (serve's event loop; the rest of a process's CPU is
+    its other threads': the batch leader, the store's), and its voluntary and
+    involuntary context switches (a thread that waits; one the kernel preempts for
+    another process). :func:`task_difference` of two readings."""
+    found: dict[str, tuple[float, int, int]] = {}
     hz = os.sysconf("SC_CLK_TCK")
     for pid in pids:
         try:
@@ -62,19 +63,39 @@ def task_figures(pids: Iterable[int]) -> dict[str, float]:
             continue
         for tid in tids:
             try:
+                cpu = 0.0
                 if tid == str(pid):
                     with open(f"{PROC}/{pid}/task/{tid}/stat", "rb") as stat:
                         fields = stat.read().rsplit(b")", 1)[-1].split()
-                    found["main_cpu"] += (int(fields[11]) + int(fields[12])) / hz
+                    cpu = (int(fields[11]) + int(fields[12])) / hz
+                voluntary = involuntary = 0
                 with open(f"{PROC}/{pid}/task/{tid}/status", "rb") as status:
                     for line in status:
                         if line.startswith(b"voluntary_ctxt_switches:"):
-                            found["voluntary"] += int(line.split()[1])
+                            voluntary = int(line.split()[1])
                         elif line.startswith(b"nonvoluntary_ctxt_switches:"):
-                            found["involuntary"] += int(line.split()[1])
+                            involuntary = int(line.split()[1])
             except (OSError, IndexError, ValueError):
                 continue
+            found[f"{pid}/{tid}"] = (cpu, voluntary, involuntary)
     return found
+
+
+def task_difference(
+    before: Mapping[str, tuple[float, int, int]], after: Mapping[str, tuple[float, int, int]]
+) -> dict[str, float]:
+    """The main threads' CPU and every thread's switches between two :func:`task_figures`
+    (a thread new since ``before``: all of its; one gone by ``after``: none)."""
+    zero = (0.0, 0, 0)
+    deltas = [
+        tuple(a - b for a, b in zip(now, before.get(key, zero), strict=True))
+        for key, now in after.items()
+    ]
+    return {
+        "main_cpu": sum(d[0] for d in deltas),
+        "voluntary": float(sum(d[1] for d in deltas)),
+        "involuntary": float(sum(d[2] for d in deltas)),
+    }
 
 
 def _stat_ticks() -> list[int]:
