@@ -723,3 +723,36 @@ def test_the_http_run_reads_its_replicas_batches_and_collections_from_their_scra
     assert summary["serve_voluntary_switches_per_placement"] == 2.0
     assert summary["serve_involuntary_switches_per_placement"] == 0.5
     assert serve_summary([{}], [0], None, None)["serve_batch_size_mean"] is None
+
+
+def test_the_http_row_shows_serves_cpu_with_its_batch_and_the_machines_other_load() -> None:
+    """serve's CPU per placement moves with its batches and with how much of the machine
+    other processes take: the http row shows both beside it; the machine's CPU over
+    worker 0's window split by whose it was (the rest: not the run's processes)."""
+    from secondbox_scheduler.infrastructure.tools.bench.over_http import _with_cpu
+
+    results = [
+        WorkerResult(worker=w, started=0.0, finished=1.0, calls=100, latencies_ms=[1.0],
+                     outcomes={"placed": 100}, client_cpu_seconds=0.01,
+                     machine_cpu=(1.6, 2.0) if w == 0 else (0.0, 0.0),
+                     serve_cpu_seconds=0.4 if w == 0 else None,
+                     database_cpu_seconds=0.1 if w == 0 else None,
+                     serve_figures={"batches": 40.0, "batched": 100.0})
+        for w in (0, 1)
+    ]  # fmt: skip
+    run = _with_cpu(summarize(results), results)
+    assert run["serve_cpu_ms_per_placement"] == 2.0  # 400 ms over 200 placements
+    assert run["client_cpu_ms_per_placement"] == 0.1
+    assert run["machine_cpu_shares"] == {
+        "serve": 0.2, "postgresql_backends": 0.05, "clients": 0.01, "rest": 0.54, "idle": 0.2,
+    }  # fmt: skip
+    assert run["serve_batch_size_mean"] == 2.5
+    report = {"settings": {"workers": 2}, "http": {**run, "replicas": 2}}
+    table = throughput_table(report)
+    assert table is not None
+    console = Console(width=400, record=True)
+    console.print(table)
+    assert (
+        "(serve 2.00 ms, PostgreSQL 0.50 ms/placement, mean batch 2.5, other processes 54% of "
+        "the machine)" in console.export_text()
+    )

@@ -138,6 +138,9 @@ def _http_cpu(run: dict[str, Any]) -> str:
     batch = run.get("serve_batch_size_mean")
     if batch is not None:
         shown += f", mean batch {batch}"
+    rest = (run.get("machine_cpu_shares") or {}).get("rest")
+    if rest is not None:  # what serve's CPU per placement moves with (docs/performance.md)
+        shown += f", other processes {rest:.0%} of the machine"
     return shown + ")"
 
 
