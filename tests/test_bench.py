@@ -150,6 +150,16 @@ def test_quick_bench_on_sqlite_reports_every_section_and_goal(quick: QuickRun) -
     assert over_http["connections_per_replica"] == BenchSettings.make(quick=True).http_connections
     assert over_http["serve_cpu_ms_per_placement"] > 0
     assert over_http["database_cpu_ms_per_placement"] is None  # SQLite: no server
+    # the batches the replicas ran, from their /metrics: every placement in one
+    assert over_http["serve_batches"] > 0
+    assert sum(over_http["serve_placed_by_replica"]) == over_http["placed"]
+    assert 1 <= over_http["serve_batch_size_mean"] <= over_http["connections_per_replica"]
+    assert set(over_http["serve_gc_collections"]) == {"0", "1", "2"}
+    assert 0 < over_http["serve_loop_cpu_share"] <= 1
+    assert over_http["client_cpu_ms_per_placement"] > 0
+    assert sum(over_http["machine_cpu_shares"].values()) == pytest.approx(1, abs=0.01)
+    assert over_http["speed_probe_us"] > 0
+    assert report["batched"]["speed_probe_us"] > 0
     for key in ("placement", "batched", "new_sandbox", "http", "http_new_sandbox"):
         ledger = report[key]["ledger"]  # every acknowledged placement found on its runner
         assert ledger["acknowledged"] >= report[key]["placed"] > 0, key
@@ -673,3 +683,76 @@ def test_the_ledger_finds_a_lost_placement_and_one_on_another_runner(tmp_path: P
     assert found["lost_placements"] == 2
     assert found["lost_examples"] == ["s-2", "s-3"]
     assert found["runners_checked"] == 2
+
+
+def test_the_http_run_reads_its_replicas_batches_and_collections_from_their_scrapes() -> None:
+    """serve's mean batch (what its CPU per placement depends on) and its collections,
+    from the differences of two /metrics scrapes of each replica."""
+    from secondbox_scheduler.infrastructure.tools.bench.serve_metrics import (
+        difference,
+        scrape_figures,
+        serve_summary,
+        task_difference,
+    )
+
+    def scrape(batches: int, batched: int, gc2: int) -> str:
+        return (
+            "# HELP secondbox_scheduler_placement_batch_size ...\n"
+            'secondbox_scheduler_placement_batch_size_bucket{le="1.0"} 3.0\n'
+            f"secondbox_scheduler_placement_batch_size_count {batches}.0\n"
+            f"secondbox_scheduler_placement_batch_size_sum {batched}.0\n"
+            'python_gc_collections_total{generation="0"} 7.0\n'
+            'python_gc_collections_total{generation="1"} 1.0\n'
+            f'python_gc_collections_total{{generation="2"}} {gc2}.0\n'
+        )
+
+    first = difference(scrape_figures(scrape(2, 5, 1)), scrape_figures(scrape(12, 65, 3)))
+    second = difference(scrape_figures(scrape(0, 0, 0)), scrape_figures(scrape(30, 90, 0)))
+    assert first == {"batches": 10, "batched": 60, "gc0": 0, "gc1": 0, "gc2": 2}
+    tasks = task_difference(  # thread 12 gone (its switches lost), thread 13 new
+        {"10/10": (1.0, 100, 20), "10/11": (0.0, 50, 5), "10/12": (0.0, 400, 90)},
+        {"10/10": (4.0, 300, 70), "10/11": (0.0, 80, 10), "10/13": (0.0, 70, 20)},
+    )
+    assert tasks == {"main_cpu": 3.0, "voluntary": 300.0, "involuntary": 75.0}
+    summary = serve_summary([first, second], [60, 90], tasks, 4.0)
+    assert summary["serve_batches"] == 40
+    assert summary["serve_batch_size_mean"] == 3.75  # 150 placements in 40 batches
+    assert summary["serve_batch_size_mean_by_replica"] == [6.0, 3.0]
+    assert summary["serve_gc_collections"] == {"0": 0, "1": 0, "2": 2}
+    assert summary["serve_loop_cpu_share"] == 0.75
+    assert summary["serve_voluntary_switches_per_placement"] == 2.0
+    assert summary["serve_involuntary_switches_per_placement"] == 0.5
+    assert serve_summary([{}], [0], None, None)["serve_batch_size_mean"] is None
+
+
+def test_the_http_row_shows_serves_cpu_with_its_batch_and_the_machines_other_load() -> None:
+    """serve's CPU per placement moves with its batches and with how much of the machine
+    other processes take: the http row shows both beside it; the machine's CPU over
+    worker 0's window split by whose it was (the rest: not the run's processes)."""
+    from secondbox_scheduler.infrastructure.tools.bench.over_http import _with_cpu
+
+    results = [
+        WorkerResult(worker=w, started=0.0, finished=1.0, calls=100, latencies_ms=[1.0],
+                     outcomes={"placed": 100}, client_cpu_seconds=0.01,
+                     machine_cpu=(1.6, 2.0) if w == 0 else (0.0, 0.0),
+                     serve_cpu_seconds=0.4 if w == 0 else None,
+                     database_cpu_seconds=0.1 if w == 0 else None,
+                     serve_figures={"batches": 40.0, "batched": 100.0})
+        for w in (0, 1)
+    ]  # fmt: skip
+    run = _with_cpu(summarize(results), results)
+    assert run["serve_cpu_ms_per_placement"] == 2.0  # 400 ms over 200 placements
+    assert run["client_cpu_ms_per_placement"] == 0.1
+    assert run["machine_cpu_shares"] == {
+        "serve": 0.2, "postgresql_backends": 0.05, "clients": 0.01, "rest": 0.54, "idle": 0.2,
+    }  # fmt: skip
+    assert run["serve_batch_size_mean"] == 2.5
+    report = {"settings": {"workers": 2}, "http": {**run, "replicas": 2}}
+    table = throughput_table(report)
+    assert table is not None
+    console = Console(width=400, record=True)
+    console.print(table)
+    assert (
+        "(serve 2.00 ms, PostgreSQL 0.50 ms/placement, mean batch 2.5, other processes 54% of "
+        "the machine)" in console.export_text()
+    )

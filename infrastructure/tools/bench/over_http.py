@@ -69,6 +69,14 @@ from secondbox_scheduler.infrastructure.tools.bench.process_cpu import (
     processes_cpu,
     used_since,
 )
+from secondbox_scheduler.infrastructure.tools.bench.serve_metrics import (
+    SpeedProbe,
+    difference,
+    scrape_figures,
+    serve_summary,
+    task_difference,
+    task_figures,
+)
 from secondbox_scheduler.infrastructure.tools.bench.settings import BenchSettings, Progress
 from secondbox_scheduler.infrastructure.tools.bench.timing import now
 from secondbox_scheduler.infrastructure.tools.bench.workers import (
@@ -194,19 +202,25 @@ class HttpScheduleJob:
             scrape = client.get("/metrics").text
             retries_before = _counter(scrape, "secondbox_scheduler_contention_retries_total")
             errors_before = _counter(scrape, "secondbox_scheduler_contention_errors_total")
+            figures_before = scrape_figures(scrape)
             prepare_seconds = time.perf_counter() - prepared
             barrier.wait(BARRIER_TIMEOUT)
             cpu_before = machine_cpu_seconds()
             serve_before = processes_cpu(self.serve_pids) if index == 0 else {}
+            tasks_before = task_figures(self.serve_pids) if index == 0 else None
+            client_before = time.process_time()
             database_before = (
                 database_backends(self.database_name) if index == 0 and self.database_name else {}
             )
             started = time.perf_counter()
             found = asyncio.run(self._drive(bodies, started + self.seconds))
             cpu = _cpu_window(index, cpu_before)
-            serve_cpu = database_cpu = None
+            client_cpu = time.process_time() - client_before
+            serve_cpu = database_cpu = tasks = None
             if index == 0:
                 serve_cpu = used_since(serve_before, processes_cpu(self.serve_pids))
+                if tasks_before is not None:
+                    tasks = task_difference(tasks_before, task_figures(self.serve_pids))
                 if self.database_name:
                     after = database_backends(self.database_name)
                     database_cpu = used_since(database_before, after)
@@ -229,6 +243,9 @@ class HttpScheduleJob:
             acknowledged=tuple(found.acknowledged),
             serve_cpu_seconds=serve_cpu,
             database_cpu_seconds=database_cpu,
+            serve_figures=difference(figures_before, scrape_figures(scrape)),
+            serve_tasks=tasks,
+            client_cpu_seconds=client_cpu,
         )
 
     async def _drive(
@@ -347,7 +364,40 @@ def _with_cpu(summary: dict[str, Any], results: list[WorkerResult]) -> dict[str,
         ("database_cpu_ms_per_placement", first.database_cpu_seconds),
     ):
         summary[key] = round(seconds * 1000 / placed, 3) if seconds is not None and placed else None
+    summary.update(
+        serve_summary(
+            [r.serve_figures for r in results],
+            [r.outcomes.get(PLACED, 0) for r in results],
+            first.serve_tasks,
+            first.serve_cpu_seconds,
+        )
+    )
+    summary.update(_shares(summary, results))
     return summary
+
+
+def _shares(summary: dict[str, Any], results: list[WorkerResult]) -> dict[str, Any]:
+    """The clients' CPU per placement, and the machine's CPU over worker 0's window by
+    whose it was: serve's, PostgreSQL's backends', the clients', and the rest (other
+    processes of a shared machine, the database server's own processes, the kernel)."""
+    placed = summary.get("placed", 0)
+    clients = [r.client_cpu_seconds for r in results if r.client_cpu_seconds is not None]
+    found: dict[str, Any] = {}
+    if clients and placed:
+        found["client_cpu_ms_per_placement"] = round(sum(clients) * 1000 / placed, 3)
+    busy, total = results[0].machine_cpu
+    serve, database = results[0].serve_cpu_seconds, results[0].database_cpu_seconds
+    if total <= 0 or serve is None or not clients:
+        return found
+    ours = serve + (database or 0.0) + sum(clients)
+    found["machine_cpu_shares"] = {
+        "serve": round(serve / total, 3),
+        "postgresql_backends": round((database or 0.0) / total, 3),
+        "clients": round(sum(clients) / total, 3),
+        "rest": round(max(0.0, busy - ours) / total, 3),
+        "idle": round((total - busy) / total, 3),
+    }
+    return found
 
 
 def measure_http(
@@ -398,8 +448,11 @@ def measure_http(
             for index in range(settings.workers)
         ]
         progress(f"http: settling the database ({settle(env)})")
-        results = pool.run(jobs)
+        with SpeedProbe() as probe:
+            results = pool.run(jobs)
     summary = _with_cpu(summarize(results), results)
+    summary["speed_probe_us"] = probe.median_us()
+    summary["steal_share"] = probe.steal_share
     summary["runners"] = settings.runners
     summary["replicas"] = settings.workers
     summary["connections_per_replica"] = connections
@@ -449,8 +502,11 @@ def measure_http_new_sandbox(
             for index in range(settings.workers)
         ]
         progress(f"http new sandboxes: settling the database ({settle(env)})")
-        results = pool.run(jobs)
+        with SpeedProbe() as probe:
+            results = pool.run(jobs)
     summary = _with_cpu(summarize(results), results)
+    summary["speed_probe_us"] = probe.median_us()
+    summary["steal_share"] = probe.steal_share
     summary["runners"] = settings.runners
     summary["replicas"] = settings.workers
     summary["connections_per_replica"] = connections

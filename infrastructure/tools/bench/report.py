@@ -134,7 +134,14 @@ def _http_cpu(run: dict[str, Any]) -> str:
     shown = f" (serve {serve:.2f} ms"
     if database is not None:
         shown += f", PostgreSQL {database:.2f} ms"
-    return shown + "/placement)"
+    shown += "/placement"
+    batch = run.get("serve_batch_size_mean")
+    if batch is not None:
+        shown += f", mean batch {batch}"
+    rest = (run.get("machine_cpu_shares") or {}).get("rest")
+    if rest is not None:  # what serve's CPU per placement moves with (docs/performance.md)
+        shown += f", other processes {rest:.0%} of the machine"
+    return shown + ")"
 
 
 def _scheduler_cpu(run: dict[str, Any]) -> str:

@@ -26,6 +26,7 @@ from secondbox_scheduler.infrastructure.tools.bench.fleet import (
 )
 from secondbox_scheduler.infrastructure.tools.bench.ledger import acknowledged_homes, check_ledger
 from secondbox_scheduler.infrastructure.tools.bench.row_lock_peer import create_tables
+from secondbox_scheduler.infrastructure.tools.bench.serve_metrics import SpeedProbe
 from secondbox_scheduler.infrastructure.tools.bench.settings import BenchSettings, Progress
 from secondbox_scheduler.infrastructure.tools.bench.timing import now
 from secondbox_scheduler.infrastructure.tools.bench.workers import (
@@ -131,8 +132,11 @@ def measure_placement(
     ]
     progress(f"{pool_name}: settling the database ({settle(env)})")
     before_run()  # the runners and sandboxes are written: the placements come next
-    results = pool.run(jobs)
+    with SpeedProbe() as probe:
+        results = pool.run(jobs)
     summary = summarize(results)
+    summary["speed_probe_us"] = probe.median_us()
+    summary["steal_share"] = probe.steal_share
     summary["runners"] = settings.runners
     summary["callers_per_worker"] = threads
     summary["sandboxes_prepared"] = count

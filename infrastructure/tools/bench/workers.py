@@ -169,6 +169,11 @@ class WorkerResult:
     database_cpu_seconds: float | None = None
     # schedule runs in process: this worker process's own CPU (all its threads) in its run
     own_cpu_seconds: float | None = None
+    # over HTTP: what the worker's replica's /metrics counted over the run (batches...)
+    serve_figures: dict[str, float] = field(default_factory=dict)
+    # over HTTP, worker 0: the serve processes' threads (main's CPU, context switches)
+    serve_tasks: dict[str, float] | None = None
+    client_cpu_seconds: float | None = None  # over HTTP: this client process's own CPU
 
 
 def _cpu_window(index: int, before: tuple[float, float]) -> tuple[float, float]:
