@@ -69,11 +69,10 @@ def waiting_for(connection: psycopg.Connection[Any], key: int) -> bool:
     return row is not None and row[0] > 0
 
 
+@pytest.mark.parametrize("store", ["postgres"], indirect=True)  # the gate is PostgreSQL's
 def test_a_replica_waits_for_the_catch_up_under_way_and_reads_only_what_it_left(
     store: Store, clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if store.kind != "postgres":
-        pytest.skip("the gate is PostgreSQL's")
     monkeypatch.setattr(catch_up_gate, "GATE_WAIT_MS", 60_000)  # waits for as long as it takes
     writer, (first, second) = replicas(store, clock)
     head = writer.head_position()
@@ -120,9 +119,8 @@ def test_a_gate_held_too_long_is_not_waited_for(
     assert projected(second) == folded(writer)
 
 
+@pytest.mark.parametrize("store", ["postgres"], indirect=True)  # the gate is PostgreSQL's
 def test_the_gate_is_released_after_each_catch_up(store: Store, clock: Clock) -> None:
-    if store.kind != "postgres":
-        pytest.skip("the gate is PostgreSQL's")
     writer, (first, second) = replicas(store, clock)
     read_models_of(first).catch_up()
     run_history(writer, clock, [("create", 1, b) for b in range(2)])
