@@ -46,31 +46,6 @@ from secondbox_scheduler.domain.values import Requirements, RunnerSnapshot
 MAX_CHECKS = 4  # runners folded before the pool is folded instead
 
 
-def checked_home_candidates(
-    requirements: Requirements,
-    candidates: Sequence[RunnerSnapshot],
-    unlisted: Unlisted,
-    now: datetime,
-    heartbeat_timeout: timedelta,
-    *,
-    fold_runner: Callable[[str], RunnerSnapshot],
-    fold_pool: Callable[[str], list[RunnerSnapshot]],
-    floor: RankKey | None,
-) -> tuple[list[RunnerSnapshot], Unlisted]:
-    """:func:`checked_home_decision`'s candidates and counts."""
-    runners, counts, _ = checked_home_decision(
-        requirements,
-        candidates,
-        unlisted,
-        now,
-        heartbeat_timeout,
-        fold_runner=fold_runner,
-        fold_pool=fold_pool,
-        floor=floor,
-    )
-    return runners, counts
-
-
 def checked_home_decision(
     requirements: Requirements,
     candidates: Sequence[RunnerSnapshot],

@@ -43,6 +43,19 @@ GATE_WAIT_MS = 100  # longest wait for another replica's catch-up before going o
 LOCK_NOT_AVAILABLE = b"55P03"  # SQLSTATE of a lock not granted within lock_timeout
 
 
+def pool_connection_kwargs(pool: Any) -> dict[str, Any]:
+    """The connection arguments of a store's pool (its kwargs, called when a function,
+    without its row factory; the password from its password function, when it has one)
+    for a connection of one's own beside the pool (the gate's, the runner locks')."""
+    stored = pool.kwargs
+    stored = stored() if callable(stored) else stored or {}
+    kwargs = {k: v for k, v in stored.items() if k != "row_factory"}
+    password = getattr(pool, "get_password_func", None)
+    if callable(password):
+        kwargs["password"] = password()
+    return kwargs
+
+
 def gate_key(namespace: str, application_name: str) -> int:
     """The advisory lock key of a store's catch-up: a signed 64-bit digest."""
     text = f"{namespace}\x00read models catch-up\x00{application_name}"
@@ -131,13 +144,7 @@ class CatchUpGate:
         if self._connection is not None and not self._connection.closed:
             return self._connection
         assert self.recorder is not None
-        pool = self.recorder.datastore.pool
-        stored = pool.kwargs
-        stored = stored() if callable(stored) else stored or {}
-        kwargs = {k: v for k, v in stored.items() if k != "row_factory"}
-        password = getattr(pool, "get_password_func", None)
-        if callable(password):
-            kwargs["password"] = password()
+        kwargs = pool_connection_kwargs(self.recorder.datastore.pool)
         try:
             connection: psycopg.Connection[Any] = psycopg.connect(
                 **{**kwargs, "autocommit": True, "connect_timeout": 5}

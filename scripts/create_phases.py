@@ -148,7 +148,6 @@ def _phases() -> list[tuple[Any, str, str]]:
         (queries, "home_candidates", "create: candidate paging (its own: decide)"),
         (candidates, "first_candidates", "create: candidate query (first page)"),
         (candidates, "candidate_page", "create: candidate query (later pages)"),
-        (queries, "checked_home_candidates", "create: home check (its own: decide)"),
         (queries, "checked_home_decision", "create: home check (its own: decide)"),
         (queries.SchedulerQueries, "fold_runner", "create: home check, fold the runner"),
         (queries.SchedulerQueries, "fold_runner_snapshots", "create: fold the whole pool"),

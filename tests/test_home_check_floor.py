@@ -22,7 +22,7 @@ from secondbox_scheduler.domain.placement.rules import decide
 from secondbox_scheduler.domain.sandbox import Sandbox
 from secondbox_scheduler.domain.values import Capacity, RunnerSnapshot
 from secondbox_scheduler.infrastructure import SchedulerApplication
-from secondbox_scheduler.infrastructure.home_check import checked_home_candidates
+from secondbox_scheduler.infrastructure.home_check import checked_home_decision
 from secondbox_scheduler.testing.builders import compatible_runner
 from tests.conftest import Clock, Store
 from tests.factories import (
@@ -134,14 +134,14 @@ def snapshot(runner_id: str, reserved_instances: int = 0) -> RunnerSnapshot:
 def check(
     rows: list[RunnerSnapshot], aggregates: dict[str, RunnerSnapshot], floor: RankKey | None
 ) -> tuple[list[str], list[str]]:
-    """The candidates checked_home_candidates settles on, and the pools it folded."""
+    """The candidates checked_home_decision settles on, and the pools it folded."""
     folds: list[str] = []
 
     def fold_pool(pool_name: str) -> list[RunnerSnapshot]:
         folds.append(pool_name)
         return list(aggregates.values())
 
-    runners, _ = checked_home_candidates(
+    runners, _, _ = checked_home_decision(
         REQUIREMENTS, rows, Unlisted(), NOW, HEARTBEAT_TIMEOUT,
         fold_runner=aggregates.__getitem__, fold_pool=fold_pool, floor=floor,
     )  # fmt: skip

@@ -73,6 +73,8 @@ from psycopg import errors
 from psycopg.sql import SQL, Identifier
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from secondbox_scheduler.projections.catch_up_gate import pool_connection_kwargs
+
 log = logging.getLogger(__name__)
 
 LOCK_WAIT_MS = 2000  # longest wait for each rival lock before going on without
@@ -258,13 +260,7 @@ class RunnerLocks:
         with self._pool_lock:
             if self._pool is None:
                 assert self.recorder is not None
-                store = self.recorder.datastore.pool
-                stored = store.kwargs
-                stored = stored() if callable(stored) else stored or {}
-                kwargs = {k: v for k, v in stored.items() if k != "row_factory"}
-                password = getattr(store, "get_password_func", None)
-                if callable(password):
-                    kwargs["password"] = password()
+                kwargs = pool_connection_kwargs(self.recorder.datastore.pool)
                 self._pool = ConnectionPool(
                     kwargs={**kwargs, "autocommit": True, "connect_timeout": 5},
                     min_size=0,
